@@ -1,0 +1,262 @@
+"""Dust (DUST.md §3): a gradient estimate from forward passes only, by perturbing layer *outputs* token by token.
+
+For a linear map y_t = W x_t the weight gradient is sum_t g_t x_t^T with g_t = dloss_t/dy_t. Dust estimates only g_t, by
+jittering y_t with sigma * a_t and regressing each token's own loss change on a_t: one batched forward evaluates one draw
+at every token at once. The exact outer product with the cached input x_t then gives the weight gradient (§3.1, §3.8).
+All noise is a pure function of a chunk key, regenerated wherever it is needed and never kept (DESIGN.md principle 1).
+"""
+from __future__ import annotations
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+import numpy as np
+from tinygrad import Tensor, TinyJit, dtypes
+from kernels.noise import key as root_key, fold, gaussian
+from model import GPTConfig, attention, rms, rope
+
+# ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
+
+POPULATIONS = (64, 256, 1024, 4096, 16384)
+NREP = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}
+KINDS = ("q", "v", "gate", "k", "ve")  # attention internals, in the release's order (§3.5)
+# 8-block allocations per 256 of population (scale = P / 256): writers (= hidden), hubs, embedding; local per block per kind
+SGD = ((38, 32, 16, 10, 6, 4, 2, 2), (6, 6, 4, 2, 2, 2, 2, 2), 10)
+SGD_16K_10M = ((34, 28, 14, 8, 6, 4, 2, 2), (12, 10, 8, 4, 4, 4, 4, 4), 10)  # the release's tuned override, with gamma 0.99
+ADAM = ((20, 16, 10, 6, 4, 4, 2, 2), (22, 22, 14, 8, 8, 8, 8, 6), 128)  # the reproduction's reading of the paper (1.375 P)
+LOCAL = {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 8}
+# P = 64 isn't a multiple of 256, so it has absolute counts [S]; the Adam one keeps the Adam family totals (16/16/24/32)
+POP64 = ((6, 4, 2, 2, 2, 2, 2, 2), (2,) * 8, 4)
+POP64_ADAM = ((2,) * 8, (6, 4, 4, 2, 2, 2, 2, 2), 32)
+LOCAL64 = {"q": 2, "v": 6, "gate": 2, "k": 4, "ve": 2}
+SGD_LR = {"1M": {256: (0.25, 0.95), 1024: (0.225, 0.95), 4096: (0.225, 0.98), 16384: (0.225, 0.98)},  # (lr, momentum)
+          "10M": {256: (0.175, 0.95), 1024: (0.25, 0.95), 4096: (0.25, 0.95), 16384: (0.25, 0.95)}}
+
+@dataclass(frozen=True)
+class Recipe:
+  population:int
+  nrep:int                           # draws per chunk: the batch is repeated nrep times in one forward
+  writers:tuple[int, ...]            # per block (§3.3)
+  hidden:tuple[int, ...]             # per block, = writers
+  hubs:tuple[int, ...]
+  embedding:int
+  head:int
+  local:dict[str, tuple[int, ...]]   # kind -> per block draws; gate and ve are 0 off the value-embedding blocks
+  gamma:float                        # credit decay of k, v, gate, ve (§3.5)
+  sigma:dict[str, float | tuple[float, ...]]  # per family; "hubs" per block
+  scalar_draws:int
+  optimizer:str                      # "sgd" or "adam"
+  lr:float                           # matrices and head
+  momentum:float                     # SGD momentum, or Adam's beta1
+  betas:tuple[float, float] | None
+  group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §4.3
+
+  def lr_for(self, name:str) -> float: return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
+
+def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
+  """Spread an 8-block allocation over n blocks, keeping its total and multiples of `unit`. The counts are read as a density
+  over depth and block j gets the mass of [j/n, (j+1)/n): contiguous group sums for n < 8 (exact when n divides 8), a split
+  of each old block for n > 8. Shares are rounded to units by largest remainder, with at least one unit per block where the total
+  allows it (a block without draws would never learn)."""
+  if n == len(counts): return counts
+  mass = np.interp(np.arange(n + 1) * len(counts) / n, np.arange(len(counts) + 1), np.concatenate([[0], np.cumsum(counts)]))
+  share = np.diff(mass) / unit
+  total, least = round(share.sum()), 1 if share.sum() >= n else 0
+  units = np.maximum(np.floor(share + 1e-9), least)
+  while units.sum() > total: units[np.argmax(np.where(units > least, units - share, -np.inf))] -= 1
+  while units.sum() < total: units[np.argmax(share - units)] += 1
+  return tuple(int(u) * unit for u in units)
+
+def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) -> Recipe:
+  if population not in POPULATIONS: raise ValueError(f"Dust supports populations {', '.join(map(str, POPULATIONS))}, not {population}")
+  if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
+  if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
+  adam, nrep, scale = optimizer != "sgd", NREP[population], population // 256
+  if population == 64: (writers, hubs, embedding), local = POP64_ADAM if adam else POP64, LOCAL64
+  else:
+    base = ADAM if adam else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
+    writers, hubs, embedding = tuple(c * scale for c in base[0]), tuple(c * scale for c in base[1]), base[2] * scale
+    local = {kind: c * scale for kind, c in LOCAL.items()}
+  writers, hubs, has_ve = resample(writers, n_layer, nrep), resample(hubs, n_layer, nrep), GPTConfig(n_layer=n_layer).has_ve
+  base_lr = 0.002 if population >= 16384 else 0.0015  # Adam (§4.3); SGD below (§4.1, P = 64 takes P = 256's settings [S])
+  lr, momentum = (base_lr, 0.7) if adam else SGD_LR[budget][max(population, 256)]
+  r = Recipe(population, nrep, writers, writers, hubs, embedding, (3 if adam else 4) * population,
+             {kind: tuple(c if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer)) for kind, c in local.items()},
+             0.99 if (population, budget) == (16384, "10M") else 0.98,
+             {"writers": 0.2, "hidden": 0.2, "embedding": 0.4 if adam else 0.2, "head": 0.05, "local": 0.05, "scalars": 0.03,
+              "hubs": tuple(0.2 if 2 * l < n_layer else 0.4 for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2
+             8, "adam" if adam else "sgd", lr, momentum, (0.7, 0.95) if adam else None,
+             {"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 100 * lr, "x0_lambdas": 100 * lr} if adam else
+             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03})
+  counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
+  assert all(c % nrep == 0 for c in counts), f"every draw count must split into chunks of nrep={nrep} (§3.9, world 1)"
+  assert r.head % (nrep * 16) == 0, "head draws must split evenly over 16 slabs of nrep-draw chunks (§3.9)"
+  return r
+
+# ***** keys and the chunk loop *****
+
+GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
+
+def chunk_keys(key:int, n_blocks:int, n_chunks:int) -> np.ndarray:
+  """[chunk, block, group, 2]: fold(key, group, block, chunk) for every triple in one kernel; sites fold one more time."""
+  return fold(root_key(key), Tensor.arange(len(GROUPS)), Tensor.arange(n_blocks), Tensor.arange(n_chunks)).numpy()
+
+def accumulate(chunk:Callable[..., list[Tensor]], shapes:list[tuple[int, ...]], args:Iterable[tuple[Tensor, ...]]) -> list[Tensor]:
+  """Sum chunk(*a) over the chunks' args. The chunk is one TinyJit whose only inputs are the chunk's key (and slab), so a single
+  compiled structure serves every chunk; the sums live in buffers the JIT updates in place (TINYGRAD.md §2)."""
+  acc = [Tensor.zeros(*s).contiguous().realize() for s in shapes]
+  step = TinyJit(lambda *a: Tensor.realize(*[s.assign(s + d) for s, d in zip(acc, chunk(*a))]))
+  for a in args: step(*a)
+  return acc
+
+def keyed(keys:np.ndarray) -> Iterator[tuple[Tensor]]: return ((Tensor(k),) for k in keys)
+def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
+
+# ***** direct draws: writers, hidden, embedding, hubs (§3.3, §3.4) *****
+
+def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ...], sigma:float, keys:np.ndarray, nrep:int,
+           rerun:str="block") -> dict[str, Tensor]:
+  """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
+  the chunk's draws. Returns the per-token estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each
+  perturbed pass at the jittered block from the captured activations (§3.10), "full" reruns the whole model."""
+  B, T = y.shape[:2]
+  shapes = [(B, T, rec[s].shape[-1]) for s in sites]
+  def chunk(k:Tensor) -> list[Tensor]:
+    ks = [fold(k, i) for i in range(len(sites))]
+    loss = model.losses(tile(x, nrep), tile(y, nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, rec if rerun == "block" else None)
+    loss = loss.reshape(nrep, B, T)
+    reward = loss.mean(0) - loss  # r_i - mean_j r_j with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
+    return [-(reward.unsqueeze(-1) * gaussian(ki, (nrep * B,) + s[1:]).reshape(nrep, *s)).sum(0) / sigma for ki, s in zip(ks, shapes)]
+  return {s: e / (nrep * len(keys)) for s, e in zip(sites, accumulate(chunk, shapes, keyed(keys)))}
+
+# ***** output head: the slab trick on the cached logits (§3.6) *****
+
+def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, keys:np.ndarray, nrep:int) -> Tensor:
+  """Chunk m jitters slab m mod S (256 raw-logit columns) and recomputes the loss from cached slab sums: no network rerun, and each
+  reward reflects only 256 columns. A vocab that isn't a multiple of 256 is one slab of its own width."""
+  z = rec["lm_head"].float()
+  B, T, V = z.shape
+  W = 256 if V % 256 == 0 else V
+  S, cap = V // W, model.cfg.softcap
+  assert len(keys) % S == 0, f"{len(keys)} head chunks don't cycle evenly over {S} slabs"
+  def softcap(t:Tensor) -> Tensor: return cap * (t / cap).tanh()
+  c, hit = softcap(z), (y.unsqueeze(-1) == Tensor.arange(V)).float()
+  slab_sum = c.exp().reshape(B, T, S, W).sum(-1).realize()  # |c| <= cap, so exp needs no max-subtraction
+  c_y = (c * hit).sum(-1).realize()
+  loss0 = (slab_sum.sum(-1).log() - c_y).realize()
+  z, hit = z.reshape(B, T, S, W), hit.reshape(B, T, S, W).realize()
+  def chunk(k:Tensor, slab:Tensor) -> list[Tensor]:  # slab: one-hot [S] of this chunk's slab
+    def pick(t:Tensor) -> Tensor: return (t * slab.reshape(S, 1)).sum(2)
+    a = gaussian(k, (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
+    c2, h = softcap(pick(z) + sigma * a).contiguous(), pick(hit)
+    target = (h.sum(-1) > 0).where((c2 * h).sum(-1), c_y)
+    reward = loss0 - ((slab_sum.sum(-1) - (slab_sum * slab).sum(-1) + c2.exp().sum(-1)).log() - target)
+    if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
+    return [(-(reward.unsqueeze(-1) * a).sum(0) / sigma).unsqueeze(2).mul(slab.reshape(S, 1)).reshape(B, T, V)]
+  slabs = [Tensor(np.eye(S, dtype=np.float32)[j]).realize() for j in range(S)]
+  (E,) = accumulate(chunk, [(B, T, V)], ((Tensor(k), slabs[m % S]) for m, k in enumerate(keys)))
+  return E / (nrep * len(keys) // S)  # the draws each slab received
+
+# ***** attention internals: local errors against the hub targets (§3.5) *****
+
+def error_site(kind:str, l:int) -> str: return f"value_embeds.{l}" if kind == "ve" else f"transformer.h.{l}.attn." + \
+  {"q": "c_q", "k": "c_k", "v": "c_v", "gate": "ve_gate"}[kind]
+
+def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
+
+class CleanAttention:
+  """Block l's clean attention from the capture, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e,
+  output o [B, H, T, hd]. A draw recomputes only this attention, never the network."""
+  def __init__(self, model, rec:dict[str, Tensor], l:int):
+    self.model, self.window, self.ve = model, model.window(l), model.has_ve(l)
+    self.q, self.k, v = [self.heads(rec[error_site(kind, l)]) for kind in ("q", "k", "v")]
+    if self.ve: self.z, self.e = rec[error_site("gate", l)].float().transpose(1, 2), self.heads(rec[error_site("ve", l)]).transpose(1, 2)
+    self.u = v.transpose(1, 2) + (gate(self.z).unsqueeze(-1) * self.e if self.ve else 0)
+    self.qh, self.kh = self.hat(self.q), self.hat(self.k)
+    self.o = attention(self.qh, self.kh, self.u, self.window)
+    Tensor.realize(*[t for t in (self.q, self.k, self.u, self.qh, self.kh, self.o) + ((self.z, self.e) if self.ve else ())])
+
+  def heads(self, t:Tensor) -> Tensor: return t.float().reshape(*t.shape[:2], self.model.cfg.n_head, -1)
+  def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, heads first
+    return rms(rope(t, self.model.cos[:t.shape[1]], self.model.sin[:t.shape[1]])).transpose(1, 2)
+
+  def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
+    """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
+    if kind == "q": return attention(self.hat(tile(self.q, n) + sigma * a), tile(self.kh, n), tile(self.u, n), self.window) - tile(self.o, n)
+    if kind == "k": return attention(tile(self.qh, n), self.hat(tile(self.k, n) + sigma * a), tile(self.u, n), self.window) - tile(self.o, n)
+    a = a.transpose(1, 2)
+    du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * tile(gate(self.z), n).unsqueeze(-1),  # exact by linearity in u
+          "gate": lambda: (gate(tile(self.z, n) + sigma * a) - gate(tile(self.z, n) - sigma * a)).unsqueeze(-1) * tile(self.e, n)}[kind]()
+    return attention(tile(self.qh, n), tile(self.kh, n), du, self.window)
+
+def credit(T:int, window:int, gamma:float) -> Tensor:
+  """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""
+  lag = Tensor.arange(T).reshape(1, T) - Tensor.arange(T).reshape(T, 1)
+  return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0)
+
+def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:float, keys:np.ndarray, nrep:int) -> Tensor:
+  """Score each draw by <target_s, delta o_s> per head, a first-order stand-in for the loss increase (so no minus sign and no
+  centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
+  B, T, H, hd = att.q.shape
+  shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
+  g = target.reshape(B, T, H, hd).transpose(1, 2)
+  C = credit(T, att.window, gamma)
+  def chunk(k:Tensor) -> list[Tensor]:
+    a = gaussian(fold(k, 0), shape)
+    score = (att.delta(kind, a, sigma, nrep) * tile(g, nrep)).sum(-1)  # [n B, H, T]
+    R = (score if kind == "q" else score @ C.T).transpose(1, 2)
+    return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(nrep, B, T, -1).sum(0) / divisor]
+  (E,) = accumulate(chunk, [(B, T, H if kind == "gate" else H * hd)], keyed(keys))
+  return E / (nrep * len(keys))
+
+# ***** residual-mix scalars: two-sided weight-space ES (§3.7) *****
+
+def scalar_es(model, x:Tensor, y:Tensor, sigma:float, keys:np.ndarray) -> dict[str, Tensor]:
+  """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
+  names = ("resid_lambdas", "x0_lambdas")
+  L = model.params[names[0]].shape[0]
+  def chunk(k:Tensor) -> list[Tensor]:
+    a = gaussian(fold(k, 0), (2 * L,))
+    def loss(sign:int) -> Tensor:
+      return model.losses(x, y, params=model.params | {n: model.params[n] + sign * sigma * a[i * L:(i + 1) * L] for i, n in enumerate(names)}).sum()
+    slope = (loss(1) - loss(-1)) / (2 * sigma)
+    return [slope * a[:L], slope * a[L:]]
+  return {n: e / len(keys) for n, e in zip(names, accumulate(chunk, [(L,), (L,)], keyed(keys)))}
+
+# ***** reassembly and the estimator (§3.2, §3.8) *****
+
+def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
+  """Per-token output errors to the weight gradient of the mean loss: the outer product with the module's cached input summed over
+  tokens, or for an embedding a scatter-add of the errors into the rows of the token ids (a one-hot matmul); / token count."""
+  n, err = err.shape[0] * err.shape[1], err.reshape(-1, err.shape[-1])
+  if dtypes.is_int(inp.dtype): return (inp.reshape(-1, 1) == Tensor.arange(shape[0])).float().T @ err / n
+  return err.T @ inp.float().reshape(-1, shape[1]) / n
+
+def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, Tensor]:
+  """The Dust estimate of the gradient of the mean token loss, one tensor per model.params entry; the same key gives the same
+  estimate. opts: recipe (a Recipe, else recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full")."""
+  L = model.cfg.n_layer
+  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), L)
+  rerun, nrep, sigma = opts.get("rerun", "block"), rc.nrep, rc.sigma
+  _, rec = model.capture(x, y)  # every estimate of the step uses these clean weights and activations
+  counts = [*rc.writers, *rc.hubs, rc.embedding, rc.head, *(c for v in rc.local.values() for c in v)]
+  table = chunk_keys(key, L, max(max(counts) // nrep, rc.scalar_draws))
+  def keys(group:str, l:int, draws:int) -> np.ndarray: return table[:draws // nrep, l, GROUPS.index(group)]
+  def group(name:str, l:int, sites:tuple[str, ...], s:float, draws:int) -> dict[str, Tensor]:
+    return direct(model, x, y, rec, sites, s, keys(name, l, draws), nrep, rerun) if draws else {}
+  err:dict[str, Tensor] = {}
+  for l in range(L):  # writers then hidden, block by block; then the embedding (§3.2 order)
+    pre = f"transformer.h.{l}"
+    err |= group("writers", l, (f"{pre}.attn.c_proj", f"{pre}.mlp.c_proj"), sigma["writers"], rc.writers[l])
+    err |= group("hidden", l, (f"{pre}.mlp.c_fc",), sigma["hidden"], rc.hidden[l])
+  err |= group("embedding", 0, ("transformer.wte",), sigma["embedding"], rc.embedding)
+  targets = [group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).get(f"o@{l}") for l in range(L)]  # feed §3.5 only
+  err["lm_head"] = head_error(model, rec, y, sigma["head"], table[:rc.head // nrep, 0, GROUPS.index("head")], nrep)
+  attn = [CleanAttention(model, rec, l) for l in range(L)]
+  for kind in KINDS:
+    for l in range(L):
+      if rc.local[kind][l] and targets[l] is not None:
+        err[error_site(kind, l)] = local_error(attn[l], kind, targets[l], sigma["local"], rc.gamma, keys(kind, l, rc.local[kind][l]), nrep)
+  grads = {f"{s}.weight": weight_grad(e, rec[f"{s}:in"], model.params[f"{s}.weight"].shape) for s, e in err.items()}
+  grads |= {n: g / y.numel() for n, g in scalar_es(model, x, y, sigma["scalars"], table[:rc.scalar_draws, 0, GROUPS.index("scalars")]).items()}
+  out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
+  Tensor.realize(*out.values())
+  return out

@@ -1,0 +1,48 @@
+"""Counter-based noise: a pure function of (key, index), never stored.
+
+A key is a uint32 tensor of shape (..., 2). The noise at flat index i is threefry-2x32-20(key, counter=(i, 0)), the
+generator of Salmon et al. (2011) that JAX and tinygrad use too. Because it is a function and not a state, the same
+(key, shape) gives the same numbers on every backend and every call, so noise can be regenerated wherever it is needed
+(the perturbed forward, the update) instead of being kept in memory. Everything here is a lazy tinygrad expression:
+the consumer kernel computes the noise in its own loop.
+
+Child keys come from `fold`, on counters (d, 1): the data stream only ever uses counters (i, 0), so the two never meet.
+"""
+import math
+from tinygrad import Tensor, dtypes
+from tinygrad.helpers import prod
+
+def key(seed:int) -> Tensor:
+  """The root key of an integer seed (realized: pass it to a TinyJit as an input, so a new seed never recompiles)."""
+  return Tensor([seed & 0xffffffff, (seed >> 32) & 0xffffffff], dtype=dtypes.uint32).realize()
+
+def _k64(key:Tensor) -> Tensor: return (key[..., 1].cast(dtypes.uint64) << 32) | key[..., 0].cast(dtypes.uint64)
+def _words(x:Tensor) -> Tensor: return Tensor.stack(x.cast(dtypes.uint32), (x >> 32).cast(dtypes.uint32), dim=-1)
+
+def fold(key:Tensor, *data:int|Tensor) -> Tensor:
+  """Child key of `key` for each integer in `data`, applied in turn: fold(k, step, member) is a key per (step, member).
+  A tensor of ints gives a batch of keys: fold(k, Tensor.arange(n)) has shape (n, 2)."""
+  for d in data:
+    ctr = (d if isinstance(d, Tensor) else Tensor(d)).cast(dtypes.uint64) | (1 << 32)
+    k = _k64(key)
+    key = _words(ctr.reshape(ctr.shape + (1,)*k.ndim).expand(ctr.shape + k.shape).threefry(k.expand(ctr.shape + k.shape)))
+  return key
+
+def bits(key:Tensor, shape:tuple[int, ...]) -> Tensor:
+  """Raw threefry output as uint64 (hi word << 32 | lo word), shape key.shape[:-1] + shape."""
+  batch, n = key.shape[:-1], prod(shape)
+  ctr = Tensor.arange(n, dtype=dtypes.uint32).cast(dtypes.uint64).reshape((1,)*len(batch) + (n,)).expand(batch + (n,))
+  return ctr.threefry(_k64(key).reshape(batch + (1,)).expand(batch + (n,))).reshape(batch + tuple(shape))
+
+def _uniform(w:Tensor) -> Tensor:  # uint32 -> float32 in [0, 1): the top 23 bits become the mantissa of a number in [1, 2)
+  return ((w >> 9) | 0x3f800000).bitcast(dtypes.float32) - 1.0
+
+def gaussian(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:
+  """N(0, 1) by Box-Muller on the two words of one threefry call: z = sqrt(-2 ln(1-u1)) cos(2 pi u2)."""
+  b = bits(key, shape)
+  u1, u2 = _uniform(b.cast(dtypes.uint32)), _uniform((b >> 32).cast(dtypes.uint32))
+  return ((1.0 - u1).log() * -2.0).sqrt().mul((u2 * (2 * math.pi)).cos()).cast(dtype)
+
+def rademacher(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:
+  """+-1 with equal probability: the top bit of the low word. No transcendentals, so it fuses into a matmul for free."""
+  return ((bits(key, shape).cast(dtypes.uint32) >> 31).cast(dtype) * 2 - 1)

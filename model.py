@@ -1,0 +1,240 @@
+"""The Dust GPT (DUST.md §1) and the looped RNN, as functions of one parameter dict, with noise sites at every layer output.
+
+A *site* is a layer output that Dust jitters: `losses(idx, targets, jitter={site: (key, sigma)})` adds sigma * N(0, I) from
+`key` there. `capture` runs the clean pass and keeps each site's input and output plus the block inputs, so a jittered
+pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`, DUST.md §3.10).
+"""
+from __future__ import annotations
+import math
+from dataclasses import dataclass, replace
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
+from kernels.noise import fold, gaussian
+
+@dataclass(frozen=True)
+class GPTConfig:
+  vocab:int = 4096
+  seq_len:int = 2048
+  n_layer:int = 8
+  n_head:int = 8
+  n_embd:int = 512
+  window_pattern:str = "SSSL"
+  softcap:float = 15.0
+
+  @staticmethod
+  def preset(name:str, **overrides) -> GPTConfig:
+    presets = {"dust": GPTConfig(), "small": GPTConfig(vocab=256, seq_len=256, n_layer=6, n_head=4, n_embd=256),
+               "tiny": GPTConfig(vocab=256, seq_len=64, n_layer=2, n_head=2, n_embd=32)}
+    if name not in presets: raise ValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(presets)}")
+    return replace(presets[name], **overrides)
+
+  def window(self, l:int) -> int:  # S = half the context, L = all of it; the last block is always L
+    long = l == self.n_layer - 1 or self.window_pattern[l % len(self.window_pattern)] == "L"
+    return self.seq_len if long else self.seq_len // 2
+
+  def has_ve(self, l:int) -> bool: return l % 2 == (self.n_layer - 1) % 2  # value embeddings on alternate blocks, ending at the last
+
+@dataclass(frozen=True)
+class LoopedConfig:
+  vocab:int = 256
+  seq_len:int = 64
+  n_head:int = 2
+  n_embd:int = 32
+  loops:int = 4
+  softcap:float = 15.0
+
+  @staticmethod
+  def preset(name:str, **overrides) -> LoopedConfig:
+    presets = {"tiny": LoopedConfig(), "small": LoopedConfig(seq_len=256, n_head=4, n_embd=256, loops=16)}
+    if name not in presets: raise ValueError(f"unknown Looped preset {name!r}; choose one of {', '.join(presets)}")
+    return replace(presets[name], **overrides)
+
+def rms(x:Tensor, eps:float=1e-6) -> Tensor: return x * (x.float().square().mean(-1, keepdim=True) + eps).rsqrt().cast(x.dtype)
+
+def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate the halves (a, b) -> (a cos + b sin, -a sin + b cos)
+  a, b = x.chunk(2, dim=-1)
+  return (a * cos + b * sin).cat(b * cos - a * sin, dim=-1)
+
+def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
+  """Causal attention where query s sees keys t with 0 <= s - t <= window. q, k, v: [B, H, T, hd].
+  Scores and softmax in float32 whatever the model dtype, as flash attention does (tinygrad's sdpa would use q's dtype)."""
+  T = q.shape[2]
+  lag = Tensor.arange(T).reshape(T, 1) - Tensor.arange(T).reshape(1, T)
+  scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+  scores = ((lag >= 0) & (lag <= window)).where(scores, -math.inf)
+  return scores.softmax(-1).cast(v.dtype) @ v
+
+def init_params(shapes:dict[str, tuple[tuple[int, ...], str, float]], seed:int) -> dict[str, Tensor]:
+  """shapes: name -> (shape, kind, scale). Drawn with NumPy so the same seed gives the same weights on every backend."""
+  rng, ps = np.random.default_rng(seed), {}
+  for name, (shape, kind, s) in shapes.items():
+    w = {"normal": lambda: rng.normal(0, s, shape), "uniform": lambda: rng.uniform(-s, s, shape), "const": lambda: np.full(shape, s)}[kind]()
+    ps[name] = Tensor(w.astype(np.float32)).realize()
+  return ps
+
+def block_shapes(pre:str, d:int, n_head:int, ve:bool) -> dict[str, tuple[tuple[int, ...], str, float]]:
+  s = math.sqrt(3 / d)  # uniform with std 1/sqrt(fan_in); the two projections that write to the residual get 1.5x
+  return {f"{pre}.attn.c_q.weight": ((d, d), "uniform", s), f"{pre}.attn.c_k.weight": ((d, d), "uniform", s),
+          f"{pre}.attn.c_v.weight": ((d, d), "uniform", s),
+          **({f"{pre}.attn.ve_gate.weight": ((n_head, min(32, d)), "const", 0.0)} if ve else {}),
+          f"{pre}.attn.c_proj.weight": ((d, d), "uniform", 1.5 * s), f"{pre}.mlp.c_fc.weight": ((4 * d, d), "uniform", s),
+          f"{pre}.mlp.c_proj.weight": ((d, 4 * d), "uniform", 1.5 * math.sqrt(3 / (4 * d)))}
+
+class Pass:
+  """One forward pass: reads weights in the compute dtype, adds the jitter at sites, records sites when capturing.
+  A weight may be a Tensor, or a per-member perturbed weight (kernels/perturb.py) whose members sit on the batch axis."""
+  def __init__(self, model:GPT, jitter:dict|None, rec:dict|None, params:dict|None=None):
+    self.model, self.jitter, self.rec, self.depth = model, jitter or {}, rec, None
+    self.params, self.dtype = model.params if params is None else params, model.dtype
+
+  def linear_out(self, name:str, x:Tensor) -> Tensor:
+    w = self.params[name + ".weight"]
+    return x.cast(self.dtype) @ w.cast(self.dtype).T if isinstance(w, Tensor) else w.linear(x.cast(self.dtype), self.dtype)
+
+  def embed(self, name:str, idx:Tensor) -> Tensor:
+    w = self.params[name + ".weight"]
+    return self.site(name, idx, w.cast(self.dtype)[idx] if isinstance(w, Tensor) else w.embed(idx, self.dtype))
+
+  def scale(self, name:str, i:int, x:Tensor) -> Tensor:  # a residual-mix scalar times the stream
+    w = self.params[name]
+    return w[i] * x if isinstance(w, Tensor) else w.scale(i, x)
+
+  def site(self, name:str, inp:Tensor|None, out:Tensor) -> Tensor:
+    if self.rec is not None: self.rec[name + self.model.tag(self.depth)], self.rec[name + ":in" + self.model.tag(self.depth)] = out, inp
+    if name in self.jitter:
+      k, sigma = self.jitter[name]
+      # contiguous: the noise fuses into the producer's epilogue, and is never recomputed inside the consumer's matmul loops
+      out = (out + (sigma * gaussian(self.model.site_key(k, self.depth), out.shape)).cast(out.dtype)).contiguous()
+    return out
+
+  def linear(self, name:str, x:Tensor) -> Tensor: return self.site(name, x, self.linear_out(name, x))
+
+class GPT:
+  def __init__(self, cfg:GPTConfig, seed:int=0, dtype:DType=dtypes.float32):
+    self.cfg, self.dtype = cfg, dtype
+    d, V, L = cfg.n_embd, cfg.vocab, self.n_pblocks
+    assert d % cfg.n_head == 0 and (d // cfg.n_head) % 2 == 0, "n_embd / n_head must be an even head dim"
+    shapes = {"transformer.wte.weight": ((V, d), "normal", 1.0)}
+    for l in range(L): shapes.update(block_shapes(f"transformer.h.{l}", d, cfg.n_head, self.has_ve(l)))
+    for l in range(L):
+      if self.has_ve(l): shapes[f"value_embeds.{l}.weight"] = ((V, d), "uniform", math.sqrt(3 / d))
+    shapes |= {"lm_head.weight": ((V, d), "normal", 0.001), "resid_lambdas": ((L,), "const", 1.0), "x0_lambdas": ((L,), "const", 0.1)}
+    self.params = init_params(shapes, seed)
+    hd = d // cfg.n_head  # RoPE tables in float32: angle pos * 10000^(-2j/hd)
+    ang = np.arange(cfg.seq_len)[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)[None, :]
+    self.cos, self.sin = [Tensor(f(ang).astype(np.float32)).reshape(cfg.seq_len, 1, hd // 2).realize() for f in (np.cos, np.sin)]
+
+  # the stack of blocks: depth i uses parameter block `pblock(i)`; the looped model overrides these
+  @property
+  def n_blocks(self) -> int: return self.cfg.n_layer
+  @property
+  def n_pblocks(self) -> int: return self.cfg.n_layer
+  def pblock(self, i:int) -> int: return i
+  def has_ve(self, i:int) -> bool: return self.cfg.has_ve(i)
+  def window(self, i:int) -> int: return self.cfg.window(i)
+  def tag(self, i:int|None) -> str: return ""  # suffix of recorded names at depth i (the looped model records every loop)
+  def site_key(self, key:Tensor, i:int|None) -> Tensor: return key
+
+  def num_params(self) -> int: return sum(p.numel() for p in self.params.values())
+
+  def losses(self, idx:Tensor, targets:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None) -> Tensor:
+    """Per-token cross-entropy [B, T] (float32). With `cache` from capture() on the same batch (possibly repeated along B),
+    the pass starts at the first block that the jitter touches, from the cached clean activations. `params` replaces
+    model.params for this pass (perturbed weights)."""
+    return self._forward(idx, targets, Pass(self, jitter, None, params), cache)
+
+  def capture(self, idx:Tensor, targets:Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clean losses and a cache: every site's output (`name`) and input (`name:in`), `x0`, each block's input `x.{i}`
+    and post-mix stream `h.{i}`. All realized, so reruns read them instead of recomputing."""
+    rec:dict[str, Tensor] = {}
+    loss = self._forward(idx, targets, Pass(self, None, rec), None)
+    Tensor.realize(loss, *[t for t in rec.values() if t is not None])
+    return loss, rec
+
+  def _forward(self, idx:Tensor, targets:Tensor, p:Pass, cache:dict|None) -> Tensor:
+    start, skip_attn = self.entry(p.jitter) if cache is not None else (0, False)
+    if cache is None or start == -1:
+      x0 = rms(p.embed("transformer.wte", idx).float())
+      x, start = x0, 0
+    else:
+      reps = idx.shape[0] // cache["x0"].shape[0]
+      def get(k:str) -> Tensor: return cache[k].repeat((reps,) + (1,) * (cache[k].ndim - 1))
+      x0 = get("x0")
+      x = get(f"x.{start}")
+    if p.rec is not None: p.rec["x0"] = x0
+    for i in range(start, self.n_blocks):
+      p.depth = i
+      resume = (get(f"h.{i}"), get(f"o@{i}")) if i == start and skip_attn else None
+      x = self.block(p, i, x, x0, idx, resume)
+    if p.rec is not None: p.rec[f"x.{self.n_blocks}"] = x
+    return self.head(p, x, targets)
+
+  def entry(self, jitter:dict) -> tuple[int, bool]:
+    """Where a jittered pass must start: (-1, _) for the embedding, else (first block, whether its attention can be reused)."""
+    first, attn = self.n_blocks, False
+    for name in jitter:
+      if name == "transformer.wte": return -1, False
+      if name == "lm_head": continue
+      i = int(name.split("@")[1]) if name.startswith("o@") else int(name.split(".")[1 if name.startswith("value_embeds") else 2])
+      post = name.startswith("o@") or name.endswith(("attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+      if i < first: first, attn = i, not post
+      elif i == first: attn = attn or not post
+    return first, not attn
+
+  def block(self, p:Pass, i:int, x:Tensor, x0:Tensor, idx:Tensor, resume:tuple[Tensor, Tensor]|None=None) -> Tensor:
+    pre, lam = f"transformer.h.{self.pblock(i)}", self.pblock(i)
+    if p.rec is not None: p.rec[f"x.{i}"] = x
+    if resume is None:
+      h = p.scale("resid_lambdas", lam, x) + p.scale("x0_lambdas", lam, x0)
+      if p.rec is not None: p.rec[f"h.{i}"] = h
+      y = self.attn(p, i, pre, rms(h).cast(self.dtype), idx)
+    else: h, y = resume
+    a = h + p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y)).float()
+    hid = p.linear(f"{pre}.mlp.c_fc", rms(a).cast(self.dtype))
+    return (a + p.linear(f"{pre}.mlp.c_proj", hid.relu().square()).float()).contiguous()
+
+  def attn(self, p:Pass, i:int, pre:str, n:Tensor, idx:Tensor) -> Tensor:
+    B, T, d = n.shape
+    H = self.cfg.n_head
+    q, k, v = [p.linear(f"{pre}.attn.{c}", n).reshape(B, T, H, d // H) for c in ("c_q", "c_k", "c_v")]
+    if self.has_ve(i):  # v += 2 sigmoid(gate) * value embedding; the gate reads the first 32 channels of the normed input
+      e = p.embed(f"value_embeds.{i}", idx).reshape(B, T, H, d // H)
+      z = p.linear(f"{pre}.attn.ve_gate", n[..., :min(32, d)])
+      v = v + (2 * z.float().sigmoid()).cast(self.dtype).unsqueeze(-1) * e
+    cos, sin = self.cos[:T], self.sin[:T]
+    q, k = rms(rope(q.float(), cos, sin)), rms(rope(k.float(), cos, sin))
+    y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window(i))
+    return y.transpose(1, 2).reshape(B, T, d).contiguous()
+
+  def head(self, p:Pass, x:Tensor, targets:Tensor) -> Tensor:
+    p.depth = None
+    z = p.linear("lm_head", rms(x).cast(self.dtype)).float().contiguous()
+    c = self.cfg.softcap * (z / self.cfg.softcap).tanh()
+    return c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+class Looped(GPT):
+  """One weight-tied block applied `loops` times: recurrence in depth. The embedding x0 re-enters at every loop through the
+  block's residual mix (h = resid_lambda x + x0_lambda x0). A site inside the block is jittered independently at each loop
+  (its key folded with the loop index), and its records are kept per loop as `name@i`."""
+  def __init__(self, cfg:LoopedConfig, seed:int=0, dtype:DType=dtypes.float32):
+    self.loops = cfg.loops
+    super().__init__(cfg, seed, dtype)  # type: ignore[arg-type]
+
+  @property
+  def n_blocks(self) -> int: return self.loops
+  @property
+  def n_pblocks(self) -> int: return 1
+  def pblock(self, i:int) -> int: return 0
+  def has_ve(self, i:int) -> bool: return False
+  def window(self, i:int) -> int: return self.cfg.seq_len
+  def tag(self, i:int|None) -> str: return "" if i is None else f"@{i}"
+  def site_key(self, key:Tensor, i:int|None) -> Tensor: return key if i is None else fold(key, i)
+  def entry(self, jitter:dict) -> tuple[int, bool]: return -1, False  # every loop is jittered: rerun from the embedding
+
+  def losses(self, idx:Tensor, targets:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None,
+             loops:int|None=None) -> Tensor:
+    """As GPT.losses, with the loop count settable per call (train at one depth, evaluate at another)."""
+    saved, self.loops = self.loops, loops or self.loops
+    try: return super().losses(idx, targets, jitter, cache, params)
+    finally: self.loops = saved

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""The benchmark: speed and memory measured side by side in one run, printed as one table.
+
+  DEV=CUDA python tests/bench.py            the dust preset, 8x2048 tokens (the GPU numbers of GPU.md)
+  DEV=CPU  python tests/bench.py --quick    the tiny model in seconds (a test runs this, so the harness never rots)
+
+Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
+allocated before it (the parameters, the batch): what the step itself needs.
+"""
+import argparse, os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
+from tinygrad.device import Buffer
+from kernels.noise import key
+from model import GPT, GPTConfig, Looped, LoopedConfig
+import zo
+
+PEAK = [0]
+_allocate = Buffer.allocate
+def _tracked(self, *a, **kw):
+  r = _allocate(self, *a, **kw)
+  PEAK[0] = max(PEAK[0], GlobalCounters.mem_used)
+  return r
+Buffer.allocate = _tracked
+
+def measure(fn, n:int=3, warm:int=2) -> tuple[float, float]:
+  """(seconds per call after warm-up calls, peak extra bytes of one call). The memory is read from an eager call (JIT=0):
+  a replayed TinyJit allocates nothing, its buffers were planned at capture."""
+  for _ in range(warm): fn()
+  Device[Device.DEFAULT].synchronize()
+  st = time.perf_counter()
+  for _ in range(n): fn()
+  Device[Device.DEFAULT].synchronize()
+  t = (time.perf_counter() - st) / n
+  base = PEAK[0] = GlobalCounters.mem_used
+  with Context(JIT=0): fn()
+  return t, PEAK[0] - base
+
+def direct_sites(model) -> list[str]:  # every site that Dust's direct draws jitter: writers, hidden, hubs, the embedding
+  L = model.cfg.n_layer
+  return ["transformer.wte"] + [f"transformer.h.{l}.{s}" for l in range(L) for s in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + \
+         [f"o@{l}" for l in range(L)]
+
+def forward_bench(model, x:Tensor, y:Tensor) -> dict[str, float]:
+  clean = TinyJit(lambda x, y: model.losses(x, y).realize())
+  k = key(1)
+  jittered = TinyJit(lambda x, y, k: model.losses(x, y, {s: (k, 0.2) for s in direct_sites(model)}).realize())
+  tc, mc = measure(lambda: clean(x, y))
+  tj, _ = measure(lambda: jittered(x, y, k))
+  return {"clean fwd tok/s": x.numel() / tc, "jittered fwd tok/s": x.numel() / tj, "ratio": tc / tj, "clean fwd MiB": mc / 2**20}
+
+def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int) -> tuple[float, float]:
+  """One estimate + its SGD update, as the training loop runs it."""
+  lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
+  opt = zo.Optimizer(model.params, lrs, "sgd", mom, 8)
+  step = [0]
+  def run():
+    step[0] += 1
+    g, loss = zo.run_estimator(model, x, y, method, pop, step[0])
+    opt.step(g)
+    loss.realize()
+  return measure(run, n=1, warm=1) if method == "dust" else measure(run)
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--quick", action="store_true", help="the tiny model, CPU-sized")
+  p.add_argument("--pops", type=int, nargs="+", default=None, help="dust populations to time")
+  p.add_argument("--loops", type=int, nargs="+", default=None, help="looped model depths for the memory table")
+  args = p.parse_args()
+  cfg = GPTConfig.preset("tiny", seq_len=32, vocab=64) if args.quick else GPTConfig.preset("dust")
+  B, T = (2, 32) if args.quick else (8, 2048)
+  pops = args.pops or ([64] if args.quick else [256, 1024])
+  model = GPT(cfg, dtype=zo.compute_dtype())
+  rng = np.random.default_rng(0)
+  x, y = (Tensor(rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2))
+  print(f"device {Device.DEFAULT}, {model.num_params():,} params, {model.dtype}, batch {B}x{T}", flush=True)
+  f = forward_bench(model, x, y)
+  print(" | ".join(f"{k} {v:,.3f}" for k, v in f.items()), flush=True)
+  resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
+  print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
+  for method, pop in [("backprop", 1), ("mezo", 1), *[("dust", p) for p in pops]]:
+    t, m = step_bench(model, x, y, method, pop)
+    peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident
+    print(f"{method + ' pop ' + str(pop) + ' step':24s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
+  for loops in args.loops or ([2, 8] if args.quick else []):
+    lm = Looped(LoopedConfig.preset("tiny" if args.quick else "small", loops=loops), dtype=zo.compute_dtype())
+    lx, ly = (Tensor(rng.integers(0, lm.cfg.vocab, (B, lm.cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
+    for method, pop in (("mezo", 1), ("es", 4), ("backprop", 1)):
+      t, m = step_bench(lm, lx, ly, method, pop)
+      print(f"looped {loops:4d} loops {method:9s} {t:9.3f} s  peak {m / 2**20:9.1f} MiB above the parameters", flush=True)
+
+if __name__ == "__main__": main()

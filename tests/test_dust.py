@@ -1,0 +1,178 @@
+"""Tests of dust.py: the recipe tables and their rules, no autograd in the estimator, rerun-from-block = full rerun, the cosine to
+the autograd gradient rising with the population per layer type, and per-token node perturbation beating weight-space ES."""
+import math
+import numpy as np
+import pytest
+from tinygrad import Tensor, Context
+from kernels.noise import gaussian
+from model import GPT, GPTConfig
+import dust
+
+B, T = 4, 16
+TYPES = {"c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj", "attn.c_proj": "attn.c_proj", "q": "attn.c_q", "k": "attn.c_k", "v": "attn.c_v",
+         "gate": "ve_gate", "ve": "value_embeds", "wte": "transformer.wte", "head": "lm_head", "scalars": "_lambdas"}
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compile():
+  """On the CPU, tinygrad's kernel optimizer costs ~3x more lowering time than these tiny kernels ever win back."""
+  with Context(NOOPT=1): yield
+
+@pytest.fixture(scope="module")
+def setup():
+  model = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0)
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, model.cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
+  return model, x, y, {}
+
+def estimate(setup, pop:int, key:int, **opts) -> dict[str, np.ndarray]:
+  model, x, y, memo = setup
+  k = (pop, key, tuple(sorted(opts.items())))
+  if k not in memo: memo[k] = {n: g.numpy() for n, g in dust.estimate(model, x, y, pop, key, **opts).items()}
+  return memo[k]
+
+def cosine(a:np.ndarray, b:np.ndarray) -> float: return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+# ***** recipe *****
+
+def test_recipe_table_256_1024():
+  """§3.11's table, exactly, on the 8-block model."""
+  r = dust.recipe(256)
+  assert (r.nrep, r.embedding, r.head, r.gamma) == (2, 10, 1024, 0.98)
+  assert r.writers == r.hidden == (38, 32, 16, 10, 6, 4, 2, 2) and r.hubs == (6, 6, 4, 2, 2, 2, 2, 2)
+  assert r.local == {"q": (2,) * 8, "v": (20,) * 8, "gate": (0, 6) * 4, "k": (12,) * 8, "ve": (0, 8) * 4}
+  r = dust.recipe(1024)
+  assert (r.nrep, r.embedding, r.head, r.gamma) == (8, 40, 4096, 0.98)
+  assert r.writers == r.hidden == (152, 128, 64, 40, 24, 16, 8, 8) and r.hubs == (24, 24, 16, 8, 8, 8, 8, 8)
+  assert r.local == {"q": (8,) * 8, "v": (80,) * 8, "gate": (0, 24) * 4, "k": (48,) * 8, "ve": (0, 32) * 4}
+  assert r.sigma == {"writers": 0.2, "hidden": 0.2, "embedding": 0.2, "head": 0.05, "local": 0.05, "scalars": 0.03,
+                     "hubs": (0.2,) * 4 + (0.4,) * 4} and r.scalar_draws == 8
+
+def test_recipe_override_and_optimizers():
+  r = dust.recipe(16384, "10M")
+  assert r.writers == (2176, 1792, 896, 512, 384, 256, 128, 128) and r.hubs == (768, 640, 512, 256, 256, 256, 256, 256)
+  assert (r.nrep, r.gamma, r.embedding, r.head, r.lr, r.momentum) == (16, 0.99, 640, 65536, 0.25, 0.95)
+  assert dust.recipe(16384, "1M").gamma == 0.98
+  r = dust.recipe(256)  # SGD groups (§4.1)
+  assert (r.lr, r.momentum, r.betas) == (0.25, 0.95, None)
+  assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "x0_lambdas", "lm_head.weight")] == [1000, 0.3, 0.03, 0.25]
+  r = dust.recipe(1024, optimizer="adam")  # Adam (§4.3, §3.11)
+  assert (r.lr, r.betas, r.head, r.sigma["embedding"], r.embedding) == (0.0015, (0.7, 0.95), 3072, 0.4, 512)
+  assert r.lr_for("transformer.wte.weight") == pytest.approx(0.45) and r.lr_for("resid_lambdas") == pytest.approx(0.15)
+  assert dust.recipe(16384, optimizer="adam").lr == 0.002
+
+@pytest.mark.parametrize("n_layer", [2, 3, 4, 8, 12])
+def test_recipe_sums_and_divisibility(n_layer:int):
+  """P counts the direct draws (1.375 P under Adam), at every depth after resampling; every count splits into chunks (§3.9)."""
+  for pop in dust.POPULATIONS:
+    for budget in ("1M", "10M"):
+      for opt, total in (("sgd", pop), ("adam", pop * 11 // 8)):
+        r = dust.recipe(pop, budget, opt, n_layer)
+        assert sum(r.writers) + sum(r.hidden) + sum(r.hubs) + r.embedding == total, (pop, budget, opt)
+        assert len(r.writers) == len(r.hubs) == n_layer and all(len(v) == n_layer for v in r.local.values())
+        counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
+        assert all(c % r.nrep == 0 for c in counts) and r.head % (16 * r.nrep) == 0
+
+def test_recipe_resampling_rule():
+  """Fewer blocks: contiguous groups of the 8-block tilt, summed. More: a split that keeps the tilt's order."""
+  assert dust.recipe(1024, n_layer=2).writers == (152 + 128 + 64 + 40, 24 + 16 + 8 + 8)
+  assert dust.recipe(256, n_layer=4).hubs == (12, 6, 4, 4)
+  w = dust.recipe(1024, n_layer=16).writers
+  assert sum(w) == 440 and w[0] >= w[4] >= w[-1] > 0
+
+@pytest.mark.parametrize("pop", [0, 32, 128, 512, 2048, 100000])
+def test_recipe_rejects_other_populations(pop:int):
+  with pytest.raises(ValueError, match="64, 256, 1024, 4096, 16384"): dust.recipe(pop)
+
+# ***** the estimator on the tiny model *****
+
+def test_no_autograd(setup, monkeypatch):
+  def refuse(*a, **k): raise AssertionError("autograd used in dust")
+  monkeypatch.setattr(Tensor, "backward", refuse)
+  monkeypatch.setattr(Tensor, "gradient", refuse)
+  g = estimate(setup, 64, 1)
+  model = setup[0]
+  assert g.keys() == model.params.keys() and all(g[n].shape == p.shape and np.isfinite(g[n]).all() for n, p in model.params.items())
+  assert all(np.abs(g[n]).sum() > 0 for n in g), "every parameter gets an estimate"
+
+def test_same_key_same_estimate(setup):
+  model, x, y, _ = setup
+  a, b, c = estimate(setup, 64, 1), dust.estimate(model, x, y, 64, 1), estimate(setup, 64, 2)
+  assert all(np.array_equal(a[n], b[n].numpy()) for n in a)
+  assert all(not np.allclose(a[n], c[n]) for n in a)
+
+def test_rerun_from_block_equals_full_rerun(setup):
+  """§3.10: a jitter at block l can't change anything upstream, so starting there from the cached activations is exact."""
+  block, full = estimate(setup, 64, 1), estimate(setup, 64, 1, rerun="full")
+  for n in block:
+    assert np.abs(block[n] - full[n]).max() <= 1e-3 * np.abs(full[n]).max(), n
+
+@pytest.fixture(scope="module")
+def cosines(setup) -> dict[int, dict[str, float]]:
+  """Per layer type, the cosine of the estimate to the autograd gradient of the mean loss, averaged over 2 keys."""
+  model, x, y, _ = setup
+  names = list(model.params)
+  true = dict(zip(names, [g.numpy() for g in model.losses(x, y).mean().gradient(*[model.params[n] for n in names])]))
+  def per_type(est:dict[str, np.ndarray]) -> dict[str, float]:
+    cat = lambda d, pat: np.concatenate([d[n].ravel() for n in names if pat in n])  # noqa: E731
+    return {t: cosine(cat(est, pat), cat(true, pat)) for t, pat in TYPES.items()}
+  out = {pop: [per_type(estimate(setup, pop, key)) for key in (1, 2)] for pop in (64, 256, 1024)}
+  out = {pop: {t: float(np.mean([c[t] for c in cs])) for t in TYPES} for pop, cs in out.items()}
+  print("\ncosine to autograd   " + " ".join(f"{t:>11}" for t in TYPES))
+  for pop, c in out.items(): print(f"pop {pop:5d}           " + " ".join(f"{c[t]:11.3f}" for t in TYPES))
+  return out
+
+@pytest.mark.parametrize("layer", [t for t in TYPES if t != "scalars"])
+def test_cosine_rises_with_population(cosines, layer:str):
+  assert cosines[1024][layer] > cosines[64][layer] + 0.1 and cosines[1024][layer] > cosines[256][layer], cosines
+
+def test_head_cosine(cosines):
+  assert cosines[1024]["head"] >= 0.9
+
+def test_scalars_cosine(cosines):
+  """The residual scalars always get 8 antithetic draws (§3.7): their estimate doesn't depend on the population."""
+  assert cosines[64]["scalars"] == cosines[1024]["scalars"] > 0.5
+
+def test_head_slabs():
+  """A 1024-word vocab is 4 slabs of 256, one per chunk in turn (§3.6): the estimate must cover every column, point along the exact
+  dloss_t/dz_t of the soft-capped cross-entropy and be normalised by each slab's draws (shrunk by (B-1)/B from the batch centring)."""
+  rng = np.random.default_rng(0)
+  V, cap, nrep = 1024, 15.0, 8
+  z, y = rng.normal(0, 4, (B, T, V)), rng.integers(0, V, (B, T))
+  c = cap * np.tanh(z / cap)
+  p = np.exp(c - c.max(-1, keepdims=True))
+  true = (p / p.sum(-1, keepdims=True) - np.eye(V)[y]) * (1 - np.tanh(z / cap) ** 2)
+  model = type("Capped", (), {"cfg": GPTConfig(vocab=V, softcap=cap)})
+  keys = dust.chunk_keys(3, 1, 256)[:, 0, 0]
+  est = dust.head_error(model, {"lm_head": Tensor(z.astype(np.float32))}, Tensor(y.astype(np.int32)), 0.05, keys, nrep).numpy()
+  for j in range(V // 256):
+    assert cosine(est[..., 256 * j:256 * (j + 1)].ravel(), true[..., 256 * j:256 * (j + 1)].ravel()) > 0.6, f"slab {j}"
+  assert 0.6 < (est * true).sum() / (true * true).sum() < 0.9
+
+# ***** per-token node perturbation vs weight-space ES on one linear layer *****
+
+class Linear:
+  """y_t = W x_t with the per-token loss |y_t - target_t|^2 / 2: a one-site model with the interface dust.direct drives."""
+  def __init__(self, W:Tensor): self.params = {"w.weight": W}
+  def losses(self, x:Tensor, target:Tensor, jitter:dict|None=None, cache:dict|None=None) -> Tensor:
+    out = x @ self.params["w.weight"].T
+    if jitter and "w" in jitter: out = out + jitter["w"][1] * gaussian(jitter["w"][0], out.shape)
+    return (out - target).square().sum(-1) / 2
+
+def test_node_perturbation_beats_weight_space_es():
+  rng = np.random.default_rng(0)
+  d, draws, nrep, sigma = 16, 64, 8, 0.1
+  W, x, target = rng.normal(0, d ** -0.5, (d, d)), rng.normal(0, 1, (B, T, d)), rng.normal(0, 1, (B, T, d))
+  true = np.einsum("bto,bti->oi", x @ W.T - target, x) / (B * T)
+  model, xt, tt = Linear(Tensor(W.astype(np.float32))), Tensor(x.astype(np.float32)), Tensor(target.astype(np.float32))
+  rec = {"w": xt @ model.params["w.weight"].T, "w:in": xt}
+  keys = dust.chunk_keys(7, 1, draws // nrep)[:, 0, 0]
+  err = dust.direct(model, xt, tt, rec, ("w",), sigma, keys, nrep)["w"]
+  G = dust.weight_grad(err, xt, W.shape).numpy()
+  node = cosine(G.ravel(), true.ravel())
+  assert abs((G * true).sum() / (true * true).sum() - (nrep - 1) / nrep) < 0.1  # unbiased up to the centring's (n-1)/n
+  def mean_loss(w:np.ndarray) -> float: return float(np.square(x @ w.T - target).sum(-1).mean() / 2)
+  eps = rng.normal(0, 1, (draws // 2, d, d))  # the same number of forward passes: draws/2 antithetic pairs
+  es = sum((mean_loss(W + sigma * e) - mean_loss(W - sigma * e)) / (2 * sigma) * e for e in eps)
+  weight = cosine(es.ravel(), true.ravel())
+  assert node > 0.9 and node > weight + 0.4, (node, weight)
+  assert math.isclose(weight, math.sqrt(draws / 2 / (draws / 2 + d * d)), abs_tol=0.2)  # ES's known cosine: the baseline is sane

@@ -1,0 +1,276 @@
+"""Tests of zo.py: no autograd in the ZO paths, the SPSA cosine law, EGGROLL's batched forward and dense form against explicit
+perturbed matrices, replayed momentum against a stored buffer, resume, training against a sign-flipped estimator, and the CLI.
+
+Cost: tinygrad on a 2-core CPU spends seconds compiling each new kernel structure, so the in-process tests share one 1-block model
+(6,178 parameters) and one batch, and the CLI runs (fresh processes that compile everything again) start in the background when the
+module starts, so that they use the core that the in-process tests leave idle."""
+import json, math, os, re, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import numpy as np
+import pytest
+from tinygrad import Context, Tensor
+from tinygrad.nn.state import safe_load
+from kernels.noise import fold, gaussian
+from kernels.perturb import Population
+from model import GPT, GPTConfig
+import data
+import zo
+
+CFG = GPTConfig(vocab=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
+B, T = 2, 16
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "DEV": "CPU", "NOOPT": "1"}
+# the CLI's training runs: the tiny preset at vocab 64, 2x16 tokens a step, mezo with 2 directions, a replay window of 4 steps (so
+# the window is full at the step-5 checkpoint and keeps sliding after the resume)
+RUN = {"method": "mezo", "pop": 2, "model": "tiny", "vocab": 64, "seq": T, "batch": B, "lr": 3e-3, "eval-every": 5, "ckpt-every": 5,
+       "replay": 4, "seed": 0}
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compile():
+  """On the CPU, tinygrad's kernel optimizer costs ~3x more lowering time than these tiny kernels ever win back."""
+  with Context(NOOPT=1): yield
+
+def cli(*args, **flags) -> subprocess.CompletedProcess:
+  argv = [*map(str, args), *(s for k, v in flags.items() for s in ((f"--{k}",) if v is True else (f"--{k}", str(v))))]
+  return subprocess.run([sys.executable, "zo.py", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+  """The CLI runs that the selected tests need, started now: a 10-step run, and a 5-step run then resumed to 10 steps; the --cosine
+  table. They run while the in-process tests compile."""
+  wanted = {getattr(item, "originalname", item.name) for item in request.session.items}
+  out = tmp_path_factory.mktemp("runs")
+  with ThreadPoolExecutor(2) as pool:
+    jobs = {}
+    if "test_resume_continues_exactly" in wanted:
+      jobs["full"] = pool.submit(cli, **RUN, steps=10, out=out / "full")
+      jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
+    if "test_cli_cosine_table" in wanted:
+      jobs["cosine"] = pool.submit(cli, "--cosine", "--pop", 4, 16, method="mezo", model="tiny", vocab=64, seq=T, batch=B)
+    yield out, jobs
+
+@pytest.fixture(scope="module")
+def setup():
+  """The model, one batch, and the autograd gradient of the mean token loss as float64 arrays."""
+  model = GPT(CFG, seed=0)
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, CFG.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
+  true = {n: g.numpy().astype(np.float64) for n, g in zo.estimate(model, x, y, "backprop", 1, 0).items()}
+  return model, x, y, true
+
+def flat(g:dict, names) -> np.ndarray: return np.concatenate([np.asarray(g[n].numpy() if isinstance(g[n], Tensor) else g[n], np.float64).ravel()
+                                                              for n in names])
+
+# ***** 1. no autograd in the ZO paths *****
+
+def test_no_autograd_in_zo_paths(setup, monkeypatch):
+  # an estimator or optimizer step that differentiates (a disguised backprop, a .backward() to fill p.grad) raises here
+  model, x, y, _ = setup
+  def refuse(*a, **k): raise AssertionError("autograd in a ZO path")
+  monkeypatch.setattr(Tensor, "backward", refuse)
+  monkeypatch.setattr(Tensor, "gradient", refuse)
+  with pytest.raises(AssertionError, match="autograd"): zo.estimate(model, x, y, "backprop", 1, 0)  # the patch does bite
+  for method, pop, opts in (("mezo", 4, {}), ("es", 8, {}), ("es", 8, {"rank": 1})):
+    g = zo.estimate(model, x, y, method, pop, 1, **opts)
+    assert g.keys() == model.params.keys()
+    for n, p in model.params.items():
+      v = g[n].numpy()
+      assert v.shape == p.shape and np.isfinite(v).all() and np.abs(v).sum() > 0, (method, opts, n)
+  for kind, momentum in (("sgd", 0.9), ("adamw", 0.8)):  # the seed replay (sgd) and the dense path (adamw)
+    m = GPT(CFG, seed=0)
+    opt = zo.Optimizer(m.params, {n: 1e-3 for n in m.params}, kind, momentum, 4)
+    before = {n: p.numpy() for n, p in m.params.items()}
+    opt.step(zo.run_estimator(m, x, y, "mezo", 4, 1)[0])
+    assert all(not np.array_equal(before[n], p.numpy()) and np.isfinite(p.numpy()).all() for n, p in m.params.items()), kind
+
+# ***** 2. the SPSA law *****
+
+# With K Gaussian directions z_k in D dimensions, g_hat = (1/K) sum_k (z_k.g) z_k (mezo; es unshaped with K antithetic pairs, i.e.
+# pop 2K), E|g_hat|^2 = |g|^2 (D+K+1)/K and g_hat.g ~ |g|^2, so cos(g_hat, g) ~ sqrt(K/(K+D)). For K << D, cos ~ sqrt(chi2_K / D):
+# its mean is sqrt(K/D)(1 - 1/(4K)) (6% low at K=4) and its std ~ 1/sqrt(2D) whatever K, i.e. a relative std ~ 1/sqrt(2K) of one
+# key's cosine (0.35 at K=4, 0.09 at K=64, 0.03 at K=512, checked by simulation). For the 30% band to be a 3-sigma statement,
+# 3 * 0.35/sqrt(n) <= 0.30 - 0.06 needs n >= 20 keys at K=4; n = 2 and 1 do at K=64 and 512.
+# Also unbiased: g_hat.g/|g|^2 = mean over the K directions of chi2_1, so pooled over the 24*4 + 2*64 + 512 = 736 directions it is
+# 1 +- sqrt(2/736) = 1 +- 0.05: within 0.2 is 4 sigma (a wrong scale, e.g. a missing 1/(2 eps) or 1/K, fails it; the cosine can't see it).
+KEYS = {4: 24, 64: 2, 512: 1}
+
+@pytest.mark.parametrize("method", ["mezo", "es"])
+def test_spsa_law(setup, method:str):
+  # an estimator with a wrong direction/coefficient pairing, too few or correlated directions, or a wrong scale breaks this
+  model, x, y, true = setup
+  names, gv = list(model.params), flat(true, model.params)
+  D = gv.size
+  rows, proj, dirs = {}, 0.0, 0
+  for K, n in KEYS.items():
+    cos = []
+    for key in range(n):
+      if method == "mezo": g = flat(zo.estimate(model, x, y, "mezo", K, 100 + key), names)
+      else: g = flat(zo.estimate(model, x, y, "es", 2 * K, 200 + key, shaping="none"), names)
+      cos.append(g @ gv / (np.linalg.norm(g) * np.linalg.norm(gv)))
+      proj, dirs = proj + K * (g @ gv) / (gv @ gv), dirs + K
+    rows[K] = (float(np.mean(cos)), math.sqrt(K / (K + D)))
+  msg = f"{method}, D={D}: " + ", ".join(f"K={K}: cos {c:.4f} law {law:.4f}" for K, (c, law) in rows.items()) + f"; g_hat.g/|g|^2 {proj / dirs:.3f}"
+  assert all(abs(c / law - 1) < 0.3 for c, law in rows.values()), msg
+  assert abs(proj / dirs - 1) < 0.2, msg
+
+def test_es_population_change_on_one_model(setup):
+  # es's jitted population forward must be keyed on the population: `--cosine --pop 8 128 --method es` runs es twice on one model
+  model, x, y, _ = setup
+  for pop in (8, 128):
+    g, _ = zo.run_estimator(model, x, y, "es", pop, 1)
+    assert g.keys.shape == (pop // 2, 2) and g.coef.shape == (pop // 2,)
+
+# ***** 3. EGGROLL *****
+
+def explicit_directions(keys:Tensor, shape:tuple[int, ...], rank:int) -> np.ndarray:
+  """E_j [N, *shape] formed explicitly: A_j B_j^T / sqrt(r) for a matrix (A from the key folded with 0, B with 1), else Gaussian."""
+  if len(shape) != 2: return gaussian(keys, shape).numpy().astype(np.float64)
+  a, b = (gaussian(fold(keys, c), (d, rank)).numpy().astype(np.float64) for c, d in ((0, shape[0]), (1, shape[1])))
+  return np.einsum("jor,jir->joi", a, b) / math.sqrt(rank)
+
+def test_eggroll_equals_explicit_matrices(setup):
+  # a batched low-rank forward with a wrong member order or sign, a missing 1/sqrt(r), or A and B swapped differs from the explicit one
+  model, x, y, _ = setup
+  pop, rank, sigma = 4, 2, 0.1  # rank 2, so that a missing 1/sqrt(r) shows; sigma 0.1, so that every member moves the loss by ~1e-2
+  g, mean_loss = zo.run_estimator(model, x, y, "es", pop, 7, sigma=sigma, shaping="none", rank=rank)
+  E = {n: explicit_directions(fold(g.keys, i), p.shape, rank) for i, (n, p) in enumerate(model.params.items())}
+  W = {n: p.numpy().astype(np.float64) for n, p in model.params.items()}
+  sign = [1, -1] * (pop // 2)  # member m = 2j + (0 or 1) is W + sign_m sigma E_j
+  explicit = np.array([model.losses(x, y, params={n: Tensor((W[n] + sign[m] * sigma * E[n][m // 2]).astype(np.float32)) for n in W})
+                       .mean().item() for m in range(pop)])
+  params = {n: Population(p, fold(g.keys, i), sigma, rank) for i, (n, p) in enumerate(model.params.items())}
+  batched = model.losses(x.repeat(pop, 1), y.repeat(pop, 1), params=params).reshape(pop, -1).mean(1).numpy()
+  # a float32 loss of ~4.2 from logits summed in another order: errors ~1e-6; 2e-5 is 40 ulps, 500x below the members' spread
+  clean = model.losses(x, y).mean().item()
+  assert np.abs(explicit - clean).min() > 1e-2, (explicit, clean)
+  np.testing.assert_allclose(batched, explicit, rtol=0, atol=2e-5)
+  # es's own coefficients and loss come from that forward: coef_j = (L_2j - L_2j+1) / (pop sigma), unshaped
+  np.testing.assert_allclose(g.coef.numpy(), (explicit[0::2] - explicit[1::2]) / (pop * sigma), rtol=0, atol=4e-5 / (pop * sigma))
+  assert abs(mean_loss.item() - explicit.mean()) < 2e-5
+  # the dense form: sum_j coef_j A_j B_j^T / sqrt(r) (float32 sums of 2 pairs x rank 2 terms: relative error ~1e-7)
+  coef = g.coef.numpy().astype(np.float64)
+  for n, d in g.dense(model.params).items():
+    ref = np.einsum("j,j...->...", coef, E[n])
+    np.testing.assert_allclose(d.numpy(), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=n)
+
+# ***** 4. replayed momentum *****
+
+def test_replayed_momentum_equals_buffer():
+  # a replay with a wrong decay power, an off-by-one history shift, or lost slots differs from the buffer m <- mu m + g
+  rng = np.random.default_rng(0)
+  mu, lr, N, steps = 0.9, 1e-2, 4, 20
+  shapes = {"w": (48, 32), "s": (8,)}
+  init = {n: rng.normal(0, 1, s).astype(np.float32) for n, s in shapes.items()}
+  # synthetic estimates: random keys, coefficients +-1 (so every step's g has the same expected norm)
+  gs = [zo.Compact(Tensor(rng.integers(0, 2**32, (N, 2), dtype=np.uint32)), Tensor(rng.choice([-1.0, 1.0], N).astype(np.float32)))
+        for _ in range(steps)]
+  probe = {n: Tensor(v) for n, v in init.items()}
+  dense = [{n: t.numpy().astype(np.float64) for n, t in g.dense(probe).items()} for g in gs]
+  def replay(W:int) -> list[dict[str, np.ndarray]]:
+    ps = {n: Tensor(v).realize() for n, v in init.items()}
+    opt, out = zo.Optimizer(ps, {n: lr for n in ps}, "sgd", mu, W), []
+    for g in gs:
+      opt.step(g)
+      out.append({n: p.numpy().astype(np.float64) for n, p in ps.items()})
+    return out
+  def buffer(W:int) -> list[dict[str, np.ndarray]]:  # float64; W=steps is the stored buffer m <- mu m + g exactly
+    th, out = {n: v.astype(np.float64) for n, v in init.items()}, []
+    for t in range(steps):
+      th = {n: th[n] - lr * sum(mu ** a * dense[t - a][n] for a in range(min(W, t + 1))) for n in th}
+      out.append(th)
+    return out
+  def gap(a:list, b:list, t:int) -> float:  # relative difference of step t's update
+    da, db = (flat(x[t], shapes) - flat(x[t - 1], shapes) for x in (a, b))
+    return float(np.linalg.norm(da - db) / np.linalg.norm(db))
+  full, ref = replay(steps), buffer(steps)
+  scale = np.abs(flat(ref[-1], shapes) - flat(init, shapes)).max()
+  for t in range(steps):  # float32 parameters of size ~1 after 20 updates: 1e-5 of the largest displacement is ~100 ulps
+    np.testing.assert_allclose(flat(full[t], shapes), flat(ref[t], shapes), rtol=0, atol=1e-5 * scale)
+  short = replay(5)
+  assert gap(short, buffer(5), steps - 1) < 1e-5  # a window of 5 keeps exactly the last 5 steps
+  # and so misses the tail sum_{a>=5} mu^a g_{t-a}: for nearly orthogonal steps of equal norm its relative size is
+  # sqrt(sum_{a=5..19} mu^2a / sum_{a<20} mu^2a) = 0.57 ~ mu^5; the cross terms of 80 directions in 1544 dims move it by a few %
+  tail = math.sqrt(sum(mu ** (2 * a) for a in range(5, steps)) / sum(mu ** (2 * a) for a in range(steps)))
+  assert abs(gap(short, ref, steps - 1) / tail - 1) < 0.2, (gap(short, ref, steps - 1), tail)
+
+# ***** 6. training, against the same estimator with its sign flipped *****
+
+def train_val(method:str, pop:int, lr:float, flip:bool, steps:int=40, **opts) -> tuple[float, float]:
+  """(val loss before, after) of `steps` SGD steps (momentum 0.9 replayed over 8 steps) on the synthetic Markov source."""
+  src = data.load("synthetic", CFG.vocab, T, 0)
+  val = [tuple(map(Tensor, src.batch("val", i, B, T))) for i in range(4)]
+  model = GPT(CFG, seed=0)
+  opt = zo.Optimizer(model.params, {n: lr for n in model.params}, "sgd", 0.9, 8)
+  def val_loss() -> float: return float(np.mean([model.losses(vx, vy).mean().item() for vx, vy in val]))
+  before = val_loss()
+  for step in range(steps):
+    x, y = map(Tensor, src.batch("train", step, B, T))
+    g, _ = zo.run_estimator(model, x, y, method, pop, step, **opts)
+    opt.step(zo.Compact(g.keys, -g.coef, g.rank) if flip else g)
+  return before, val_loss()
+
+# lrs from a sweep at 40 steps (two key streams each): the defaults (0.05) diverge on this model (the val loss climbs past 7);
+# mezo pop 16: 0.003 lowers it by ~0.03, 0.01 by 0.04-0.10, 0.03 diverges; es pop 32 (rank shaping, coefficients ~1/(pop sigma)):
+# 1e-4 by ~0.03, 3e-4 by 0.04-0.11, 1e-3 diverges. So each runs at a third of its divergence lr.
+@pytest.mark.parametrize("method, pop, lr", [("mezo", 16, 1e-2), ("es", 32, 3e-4)])
+def test_training_lowers_val_loss(method:str, pop:int, lr:float):
+  # an estimator that points uphill, or carries no gradient signal (pure noise also raises the loss, through the curvature), fails
+  # The val batches are fixed, so the val loss has no sampling noise. To first order a step moves it by -lr g.g_hat, to second order by
+  # +lr^2/2 g_hat.H.g_hat for either sign: the flipped run must rise, the true one fall by a margin, 0.01 nats (0.25% of ln 64).
+  b0, a0 = train_val(method, pop, lr, flip=False)
+  b1, a1 = train_val(method, pop, lr, flip=True)
+  assert b0 == b1 and b0 - a0 > 0.01 and b1 - a1 < 0, f"{method}: val {b0:.4f} -> {a0:.4f}, flipped -> {a1:.4f}"
+
+# ***** 5. resume (CLI) *****
+
+def metrics(path:Path) -> list[dict]: return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+def test_resume_continues_exactly(background):
+  # a checkpoint without the replay history or the step, or a data order that depends on the process, changes steps 5..9
+  out, jobs = background
+  full, (first, second) = jobs["full"].result(), jobs["split"].result()
+  for r in (full, first, second): assert r.returncode == 0, r.stderr[-2000:]
+  a, b = metrics(out / "full"), metrics(out / "split")
+  assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(10))
+  np.testing.assert_allclose([r["train_loss"] for r in b], [r["train_loss"] for r in a], rtol=0, atol=1e-6)
+  for ra, rb in zip(a, b):
+    if "val_loss" in ra and "val_loss" in rb: assert abs(ra["val_loss"] - rb["val_loss"]) < 1e-6, (ra, rb)
+  assert "val_loss" in a[5] and "val_loss" in b[5] and "val_loss" in a[9] and "val_loss" in b[9]
+  pa, pb = safe_load(str(out / "full" / "model.safetensors")), safe_load(str(out / "split" / "model.safetensors"))
+  for n in [k for k in pa if k.startswith("param.")]: np.testing.assert_allclose(pb[n].numpy(), pa[n].numpy(), rtol=0, atol=1e-6, err_msg=n)
+  # refusals: exit code 2, one line that names the problem, nothing touched
+  before = (out / "split" / "metrics.jsonl").read_text()
+  for over, name, says in (({"method": "es", "resume": True}, "split", "method"), ({"vocab": 32, "resume": True}, "split", "vocab"),
+                           ({}, "full", "--resume")):
+    r = cli(**(RUN | over), steps=12, out=out / name)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("zo: error:") and says in r.stderr, \
+      (over, r.stderr[-2000:])
+  assert (out / "split" / "metrics.jsonl").read_text() == before and len(metrics(out / "full")) == 10
+
+# ***** 7. the command line *****
+
+FLAGS = ("--method --pop --model --vocab --loops --eval-loops --data --steps --tokens --batch --seq --lr --optim --momentum --sigma --eps "
+         "--rank --shaping --seed --eval-every --ckpt-every --out --resume --force --cosine --devices").split()  # DESIGN.md's list
+
+def test_cli_help_and_bad_method():
+  # a flag missing from the parser, or a bad method that gets past argparse (or exits 1 with a traceback), fails here
+  r = cli("--help")
+  assert r.returncode == 0, r.stderr
+  assert not (missing := [f for f in FLAGS if not re.search(rf"(?<![\w-]){f}(?![\w-])", r.stdout)]), missing
+  r = cli(method="sgd", steps=1)
+  assert r.returncode == 2 and "invalid choice" in r.stderr, r.stderr
+
+TYPES = ("mlp in", "mlp out", "attn out", "q", "k", "v", "gate", "ve", "wte", "head", "scalars")  # every layer type of the tiny GPT
+
+def test_cli_cosine_table(background):
+  # a table without a row per pop, a column per layer type, or with values that aren't cosines fails here
+  r = background[1]["cosine"].result()
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = r.stdout.strip().splitlines()
+  head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["pop"])
+  assert all(re.search(rf"(?<!\S){t}(?!\S)", lines[head]) for t in TYPES), lines[head]
+  rows = [line.split() for line in lines[head + 1:]]
+  assert [row[0] for row in rows] == ["4", "16"], lines
+  vals = np.array([[float(v) for v in row[1:]] for row in rows])
+  assert vals.shape == (2, len(TYPES)) and (np.abs(vals) <= 1).all() and not np.array_equal(vals[0], vals[1]), lines

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""zo: train a network with forward passes only. Estimators of the gradient g of the mean token loss L (README has the math):
+
+  mezo      two-point SPSA along K Gaussian directions z_k:   g = sum_k (L(θ + εz_k) - L(θ - εz_k)) / (2εK) z_k
+  es        antithetic evolution strategies with fitness shaping, full-rank or EGGROLL rank-r, the population in one forward
+  dust      per-token node perturbation (dust.py)
+  backprop  tinygrad autograd: only the reference baseline
+"""
+from __future__ import annotations
+import argparse, json, math, os, signal, sys, time
+from dataclasses import dataclass
+import numpy as np
+from tqdm import tqdm
+from tinygrad import Context, Tensor, TinyJit, dtypes, nn
+from tinygrad.nn.state import safe_load, safe_load_metadata, safe_save
+from kernels.noise import fold, gaussian, key as root_key
+from kernels.perturb import Population, combine
+import dust
+
+METHODS = ("mezo", "es", "dust", "backprop")
+
+@dataclass
+class Compact:
+  """A weight-space estimate in compact form: g = sum_j coef_j E_j, where E_j (Gaussian, or rank-r for EGGROLL) is regenerated
+  from keys[j] folded with the parameter's index. N keys and N floats stand for a full gradient."""
+  keys:Tensor  # (N, 2) uint32
+  coef:Tensor  # (N,) float32
+  rank:int = 0
+
+  def dense(self, params:dict[str, Tensor]) -> dict[str, Tensor]:
+    return {n: combine(fold(self.keys, i), self.coef, p.shape, self.rank) for i, (n, p) in enumerate(params.items())}
+
+# ***** the estimators: (model, x, y, pop, key) -> (estimate, mean clean-ish loss) *****
+
+_jits:dict[tuple, TinyJit] = {}
+def jitted(fn, model, *shape, **static) -> TinyJit:
+  """One TinyJit per (function, model, input shape, knobs): Python floats are frozen into a captured JIT, so they key the cache."""
+  k = (fn.__name__, id(model), shape, tuple(sorted(static.items())))
+  if k not in _jits: _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
+  return _jits[k]
+
+def spsa_pair(model, x:Tensor, y:Tensor, key:Tensor, j:Tensor, eps:float) -> Tensor:
+  """L(θ + εz), L(θ - εz) for direction j (a uint32 tensor: a new j is a new input, not a new kernel). Each perturbed weight is
+  materialized per layer: Gaussian noise fused into a matmul operand would be recomputed for every output row (TINYGRAD.md §1).
+  θ itself is never touched, so nothing drifts."""
+  k = fold(key, j.reshape(()))
+  def loss(s:float) -> Tensor:
+    params = {n: (p + s * eps * gaussian(fold(k, i), p.shape)).contiguous() for i, (n, p) in enumerate(model.params.items())}
+    return model.losses(x, y, params=params).mean()
+  return Tensor.stack(loss(1.0), loss(-1.0)).realize()
+
+def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3) -> tuple[Compact, Tensor]:
+  keys = fold(key, Tensor.arange(pop)).contiguous().realize()
+  step = jitted(spsa_pair, model, x.shape, eps=eps)
+  l = Tensor.stack(*[step(x, y, key, Tensor([j], dtype=dtypes.uint32)).clone().realize() for j in range(pop)])  # [K, 2]
+  return Compact(keys, (l[:, 0] - l[:, 1]) / (2 * eps * pop)), l.mean()
+
+def shape_fitness(f:Tensor, shaping:str) -> Tensor:
+  """rank: centered ranks in [-0.5, 0.5] (invariant to the loss's scale, robust to outliers); zscore; none: raw fitness."""
+  if shaping == "none": return f
+  if shaping == "zscore": return (f - f.mean()) / (f.var(correction=0) + 1e-5).sqrt()
+  if shaping == "rank": return (f.unsqueeze(0) < f.unsqueeze(1)).sum(1).float() / (f.shape[0] - 1) - 0.5
+  raise ValueError(f"unknown shaping {shaping!r}: use rank, zscore or none")
+
+def es_losses(model, x:Tensor, y:Tensor, keys:Tensor, sigma:float, rank:int) -> Tensor:
+  """Mean loss of every member [pop]: members on the batch axis, both members of a pair on the same sequences."""
+  params = {n: Population(p, fold(keys, i), sigma, rank) for i, (n, p) in enumerate(model.params.items())}
+  pop = 2 * keys.shape[0]
+  return model.losses(x.repeat(pop, 1), y.repeat(pop, 1), params=params).reshape(pop, -1).mean(1).realize()
+
+def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0) -> tuple[Compact, Tensor]:
+  """g = -1/(pop σ) sum_m f̃_m s_m E_m with fitness f = -L: pair j contributes (f̃_2j - f̃_2j+1) E_j. Unshaped, this is the
+  antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss."""
+  if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
+  keys = fold(key, Tensor.arange(pop // 2)).contiguous().realize()
+  l = jitted(es_losses, model, x.shape, sigma=sigma, rank=rank)(x, y, keys).clone().realize()
+  f = shape_fitness(-l, shaping).reshape(-1, 2)
+  return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
+
+def backprop(model, x:Tensor, y:Tensor) -> tuple[dict[str, Tensor], Tensor]:
+  loss = model.losses(x, y).mean()
+  return dict(zip(model.params, loss.gradient(*model.params.values()))), loss
+
+def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> tuple[Compact|dict[str, Tensor], Tensor]:
+  k = root_key(key)
+  if method == "mezo": return mezo(model, x, y, pop, k, **opts)
+  if method == "es": return es(model, x, y, pop, k, **opts)
+  if method == "dust": return dust.estimate(model, x, y, pop, key, **opts), model.losses(x, y).mean()
+  if method == "backprop": return backprop(model, x, y)
+  raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+
+def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> dict[str, Tensor]:
+  """The gradient estimate of the mean token loss, one tensor per model.params entry. Same key, same estimate."""
+  g, _ = run_estimator(model, x, y, method, pop, key, **opts)
+  return g.dense(model.params) if isinstance(g, Compact) else g
+
+# ***** the optimizer: SGD with momentum or AdamW over parameter groups, with momentum replayed from seeds *****
+
+def group_lrs(model, method:str, optim:str, lr:float|None, pop:int) -> tuple[dict[str, float], float]:
+  """lr per parameter and the momentum (SGD) or beta1 (AdamW). dust: its recipe (DUST.md §4). backprop: the release's baseline,
+  wte at 1000 under SGD (it feeds an RMSNorm, so its gradient is tiny). mezo/es: one group, since weight-space noise is as large
+  on wte as anywhere and a 1000x lr would amplify it. Under AdamW the embeddings get 300x and the scalars 100x the base lr."""
+  if method == "dust":
+    rc = dust.recipe(pop, "1M", optim, model.cfg.n_layer if hasattr(model.cfg, "n_layer") else model.n_pblocks)
+    base = lr or rc.lr
+    return {n: rc.lr_for(n) * base / rc.lr for n in model.params}, rc.momentum
+  base = lr or {("backprop", "sgd"): 0.175, ("mezo", "sgd"): 2e-3, ("es", "sgd"): 1e-4}.get((method, optim), 2e-3)
+  def special(n:str) -> float:
+    if optim == "sgd": return 1000.0 if method == "backprop" and n == "transformer.wte.weight" else base
+    return base * (300 if n.endswith("wte.weight") or n.startswith("value_embeds") else 100 if n.endswith("lambdas") else 1)
+  return {n: special(n) for n in model.params}, {"sgd": 0.98 if method == "backprop" else 0.9, "adamw": 0.8}[optim]
+
+class Optimizer:
+  """tinygrad's SGD (m <- μm + g; θ <- θ - lr m) or AdamW, one per distinct lr. For a Compact estimate under SGD there is no
+  momentum buffer: m_t = sum_{a<W} μ^a g_{t-a} is rebuilt from the last W steps' keys and coefficients (W = `replay`), which
+  equals the buffer exactly while W covers every step so far, and to within μ^W after that. The history has a fixed shape
+  [W, N] (unused slots have coefficient 0), so the replay compiles once."""
+  def __init__(self, params:dict[str, Tensor], lrs:dict[str, float], kind:str, momentum:float, replay:int):
+    self.params, self.lrs, self.kind, self.momentum, self.W = params, lrs, kind, momentum, replay
+    self.keys:Tensor|None = None  # [W, N, 2] newest first
+    self.coef:Tensor|None = None  # [W, N]
+    self.scale = 1.0  # the lr schedule's factor
+    def make(ps:list[Tensor], lr:float):
+      if kind == "sgd": return nn.optim.SGD(ps, lr=lr, momentum=momentum)
+      return nn.optim.AdamW(ps, lr=lr, b1=momentum, b2=0.95, eps=1e-8, weight_decay=0.0)
+    self.opts = [(make([p for n, p in params.items() if lrs[n] == lr], lr), lr) for lr in sorted(set(lrs.values()))]
+
+  def step(self, g:Compact|dict[str, Tensor]):
+    if isinstance(g, Compact) and self.kind == "sgd": return self.replay(g)
+    for o, lr in self.opts: o.lr.assign(Tensor([lr * self.scale], dtype=o.lr.dtype))
+    g = g.dense(self.params) if isinstance(g, Compact) else g
+    for n, p in self.params.items(): p.grad = g[n].cast(p.dtype)
+    with Context(TRAINING=1): Tensor.realize(*[t for o, _ in self.opts for t in o.schedule_step()])
+
+  def replay(self, g:Compact):
+    if self.keys is None: self.keys, self.coef = g.keys.unsqueeze(0).repeat(self.W, 1, 1), g.coef.unsqueeze(0).repeat(self.W, 1) * 0
+    self.keys = g.keys.unsqueeze(0).cat(self.keys[:-1]).contiguous().realize()
+    self.coef = g.coef.unsqueeze(0).cat(self.coef[:-1]).contiguous().realize()
+    decay = (self.momentum ** Tensor.arange(self.W).float()).unsqueeze(1)
+    keys, coef = self.keys.reshape(-1, 2), (self.coef * decay).reshape(-1)
+    Tensor.realize(*[p.assign(p - self.lrs[n] * self.scale * combine(fold(keys, i), coef, p.shape, g.rank))
+                     for i, (n, p) in enumerate(self.params.items())])
+
+  def state(self) -> dict[str, Tensor]:
+    st = {f"optim.{j}.{k}": t for j, (o, _) in enumerate(self.opts) for k, t in nn.state.get_state_dict(o).items() if not k.startswith("params.")}
+    return st | ({"replay.keys": self.keys, "replay.coef": self.coef} if self.keys is not None else {})
+
+  def load(self, st:dict[str, Tensor]):
+    for j, (o, _) in enumerate(self.opts):
+      for k, t in nn.state.get_state_dict(o).items():
+        if f"optim.{j}.{k}" in st: t.assign(st[f"optim.{j}.{k}"].to(t.device)).realize()
+    if "replay.keys" in st: self.keys, self.coef = (st[f"replay.{k}"].to(None).contiguous().realize() for k in ("keys", "coef"))
+
+# ***** training: checkpoints, evaluation, the loop *****
+
+class UsageError(Exception): pass  # a mistake the user can fix: one line, exit code 2, no traceback
+
+def step_key(seed:int, step:int) -> int: return (seed << 32) | step  # the key words are (step, seed)
+
+def save(out:str, model, opt:Optimizer, step:int):
+  """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one intact."""
+  path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
+  safe_save({**{f"param.{n}": p for n, p in model.params.items()}, **opt.state()}, tmp, metadata={"step": str(step)})
+  with open(tmp, "rb+") as f: os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+def resume(out:str, model, opt:Optimizer) -> int:
+  path = os.path.join(out, "model.safetensors")
+  if not os.path.exists(path): raise UsageError(f"--resume: no checkpoint at {path}")
+  st = safe_load(path)
+  for n, p in model.params.items():
+    if f"param.{n}" not in st or st[f"param.{n}"].shape != p.shape: raise UsageError(f"--resume: {path} holds another model ({n} differs)")
+    p.assign(st[f"param.{n}"].to(p.device)).realize()
+  opt.load(st)
+  return int(safe_load_metadata(path)[2]["step"])
+
+def val_loss(model, data, args, batches:int=4) -> float:
+  kw = {"loops": args.eval_loops} if args.model == "looped" and args.eval_loops else {}
+  return float(np.mean([model.losses(*map(Tensor, data.batch("val", i, args.batch, args.seq)), **kw).mean().item() for i in range(batches)]))
+
+def compute_dtype():  # half precision (float32 accumulation, float32 master weights) on accelerators; float32 on the CPU
+  from tinygrad import Device
+  return dtypes.float32 if Device.DEFAULT == "CPU" else dtypes.half
+
+def make_model(args):
+  from model import GPT, GPTConfig, Looped, LoopedConfig
+  over = {k: v for k, v in (("vocab", args.vocab), ("seq_len", args.seq)) if v}
+  if args.model == "looped":
+    model = Looped(LoopedConfig.preset("tiny", **over, **({"loops": args.loops} if args.loops else {})), args.seed, compute_dtype())
+  else: model = GPT(GPTConfig.preset(args.model, **over), args.seed, compute_dtype())
+  args.seq = args.seq or model.cfg.seq_len
+  return model
+
+def method_opts(args) -> dict:
+  return {"mezo": {"eps": args.eps}, "es": {"sigma": args.sigma, "shaping": args.shaping, "rank": args.rank},
+          "dust": {"optimizer": args.optim}, "backprop": {}}[args.method]
+
+def train(args):
+  from data import load
+  model = make_model(args)
+  data = load(args.data, model.cfg.vocab, args.seq, args.seed)
+  steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
+  lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop)
+  opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
+  cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
+  config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine")}
+  start = 0
+  if args.resume:
+    old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+    if diff := [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank") if old.get(k) != config[k]]:
+      raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
+    start = resume(args.out, model, opt)
+  elif os.path.exists(log_path) and not args.force:
+    raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
+  os.makedirs(args.out, exist_ok=True)
+  json.dump(config, open(cfg_path, "w"), indent=1)
+  if not args.resume and os.path.exists(log_path): os.remove(log_path)
+  print(f"{args.method} pop {args.pop} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
+        f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
+  stop = []
+  signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+  val, t0 = None, time.perf_counter()
+  with open(log_path, "a") as log, tqdm(range(start, steps), initial=start, total=steps, dynamic_ncols=True) as bar:
+    for step in bar:
+      x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
+      ts = time.perf_counter()
+      g, loss = run_estimator(model, x, y, args.method, args.pop, step_key(args.seed, step), **method_opts(args))
+      if not math.isfinite(loss := loss.item()):
+        raise UsageError(f"step {step}: the training loss is {loss}; the last good checkpoint is in {args.out}")
+      check_finite(g, step, args.out)
+      opt.scale = min(1.0, (steps - step) / (args.warmdown * steps)) if args.warmdown else 1.0
+      opt.step(g)
+      dt = time.perf_counter() - ts
+      rec = {"step": step, "tokens": (step + 1) * args.batch * args.seq, "train_loss": loss, "seconds": round(time.perf_counter() - t0, 3)}
+      if step % args.eval_every == 0 or step == steps - 1: rec["val_loss"] = val = val_loss(model, data, args)
+      log.write(json.dumps(rec) + "\n"); log.flush()
+      bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-", tok_s=f"{args.batch * args.seq / dt:,.0f}",
+                      draws_s=f"{args.pop / dt:,.0f}")
+      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
+      if stop:
+        print(f"interrupted: checkpoint of step {step + 1} saved in {args.out}; continue with --resume", file=sys.stderr)
+        sys.exit(130)
+
+def check_finite(g:Compact|dict[str, Tensor], step:int, out:str):
+  named = {"coefficients": g.coef} if isinstance(g, Compact) else g
+  for n, t in named.items():
+    if not math.isfinite(t.float().square().sum().item()):
+      raise UsageError(f"step {step}: the estimate of {n} is not finite; the last good checkpoint is in {out}")
+
+# ***** --cosine: how close is each estimate to the backprop gradient, per layer type *****
+
+LAYER_TYPES = (("mlp in", "mlp.c_fc"), ("mlp out", "mlp.c_proj"), ("attn out", "attn.c_proj"), ("q", "c_q"), ("k", "c_k"), ("v", "c_v"),
+               ("gate", "ve_gate"), ("ve", "value_embeds"), ("wte", "wte"), ("head", "lm_head"), ("scalars", "lambdas"))
+def layer_type(name:str) -> str: return next(t for t, pat in LAYER_TYPES if pat in name)
+
+def cosines(g:dict[str, Tensor], ref:dict[str, Tensor]) -> dict[str, float]:
+  """cos(g, ref) per layer type, over the concatenation of that type's tensors."""
+  out = {}
+  for t in dict.fromkeys(layer_type(n) for n in ref):
+    names = [n for n in ref if layer_type(n) == t]
+    a, b = (np.concatenate([d[n].float().numpy().ravel() for n in names]) for d in (g, ref))
+    out[t] = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+  return out
+
+def cosine_table(args):
+  from data import load
+  model = make_model(args)
+  x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed).batch("train", 0, args.batch, args.seq))
+  ref = estimate(model, x, y, "backprop", 1, 0)
+  rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **method_opts(args)), ref) for pop in args.pops}
+  types = list(next(iter(rows.values())))
+  print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}\n" + f"{'pop':>7} " +
+        " ".join(f"{t:>8}" for t in types))
+  for pop, r in rows.items(): print(f"{pop:>7} " + " ".join(f"{r[t]:>8.3f}" for t in types))
+
+# ***** the command line *****
+
+def parse(argv:list[str]|None=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description="Train a GPT with forward passes only (zeroth-order estimators).",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--method", default="dust", choices=METHODS, help="gradient estimator; backprop is the reference baseline")
+  p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: directions (mezo), members (es), direct draws (dust: "
+                 "64, 256, 1024, 4096 or 16384); several values only with --cosine")
+  p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"), help="default: tiny on CPU, small on a GPU")
+  p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
+  p.add_argument("--loops", type=int, default=None, help="loop count of the looped model (training depth)")
+  p.add_argument("--eval-loops", type=int, default=None, help="loop count for evaluation (default: --loops)")
+  p.add_argument("--data", default="synthetic", help="synthetic | synthetic:parity | synthetic:s5 | FILE.txt | FILE.bin | FILE.npy")
+  p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
+  p.add_argument("--tokens", type=int, default=1_000_000, help="training budget in tokens, when --steps is not given")
+  p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+  p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+  p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
+  p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
+  p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
+  p.add_argument("--warmdown", type=float, default=0.0, help="fraction of the steps at the end over which the lr falls linearly to 0")
+  p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
+  p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
+  p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
+  p.add_argument("--shaping", default="rank", choices=("rank", "zscore", "none"), help="es: fitness shaping")
+  p.add_argument("--replay", type=int, default=64, help="mezo/es under SGD: steps of seeds kept to replay the momentum")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses")
+  p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
+  p.add_argument("--out", default="runs/zo", help="output directory: config.json, metrics.jsonl, model.safetensors")
+  p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+  p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
+  p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit")
+  p.add_argument("--devices", type=int, default=1, help="devices to spread the population over (1 for now)")
+  args = p.parse_args(argv)
+  args.pops, args.pop = args.pop, args.pop[0]
+  if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
+  return args
+
+def default_device() -> str:
+  from tinygrad import Device
+  try: return Device.DEFAULT
+  except Exception: raise UsageError("tinygrad found no usable device: install clang for the CPU backend (apt-get install clang), "
+                                     "or run on a GPU with DEV=CUDA / DEV=AMD / DEV=METAL") from None
+
+def main(argv:list[str]|None=None):
+  from data import DataError
+  args = parse(argv)
+  try:
+    args.model = args.model or ("tiny" if default_device() == "CPU" else "small")
+    if args.devices != 1: raise UsageError("--devices: only one device is supported so far")
+    cosine_table(args) if args.cosine else train(args)
+  except (UsageError, DataError, ValueError) as e:
+    print(f"zo: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+if __name__ == "__main__": main()
