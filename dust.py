@@ -4,6 +4,14 @@ For a linear map y_t = W x_t the weight gradient is sum_t g_t x_t^T with g_t = d
 jittering y_t with sigma * a_t and regressing each token's own loss change on a_t: one batched forward evaluates one draw
 at every token at once. The exact outer product with the cached input x_t then gives the weight gradient (§3.1, §3.8).
 All noise is a pure function of a chunk key, regenerated wherever it is needed and never kept (DESIGN.md principle 1).
+
+The looped model applies one weight-tied block at every loop. A draw jitters a block site at all loops at once, each loop with
+its own noise (the model folds the site's key with the loop index), and each loop's error is regressed on that loop's noise
+only: the other loops' jitters are independent of it, so they add variance but no bias. A tied weight's gradient is then the
+sum over loops of the outer products with that loop's input. This needs the clean pass's activations at *every* loop (the
+capture keeps them as `name@i`: 18 d values a token a loop) and an error per site and loop (10 d fp32 values a token a loop),
+so Dust's memory grows linearly with the loop count, unlike MeZO/ES (DESIGN.md principle 4). Recomputing instead (a clean copy
+in every perturbed pass, the outer products formed chunk by chunk) would keep it flat, at more compute and much more code.
 """
 from __future__ import annotations
 from dataclasses import dataclass
@@ -112,20 +120,29 @@ def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))
 
 # ***** direct draws: writers, hidden, embedding, hubs (§3.3, §3.4) *****
 
+def recorded(model, site:str, depth:int|None) -> str:
+  """The capture's name of a site's output at a depth: the site itself, or `site@i` at loop i of the looped model."""
+  return site if depth is None else site + model.tag(depth)
+
 def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ...], sigma:float, keys:np.ndarray, nrep:int,
-           rerun:str="block") -> dict[str, Tensor]:
+           rerun:str="block", depths:tuple[int|None, ...]=(None,)) -> dict[str, Tensor]:
   """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
   the chunk's draws. Returns the per-token estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each
-  perturbed pass at the jittered block from the captured activations (§3.10), "full" reruns the whole model."""
+  perturbed pass at the jittered block from the captured activations (§3.10), "full" reruns the whole model.
+  `depths`: where the sites' block is applied, several in the looped model. Its sites are jittered at all of them in the same
+  pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
-  shapes = [(B, T, rec[s].shape[-1]) for s in sites]
+  outs = [(j, d) for j in range(len(sites)) for d in depths]
+  shapes = [(B, T, rec[recorded(model, sites[j], d)].shape[-1]) for j, d in outs]
   def chunk(k:Tensor) -> list[Tensor]:
     ks = [fold(k, i) for i in range(len(sites))]
     loss = model.losses(tile(x, nrep), tile(y, nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, rec if rerun == "block" else None)
     loss = loss.reshape(nrep, B, T)
     reward = loss.mean(0) - loss  # r_i - mean_j r_j with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
-    return [-(reward.unsqueeze(-1) * gaussian(ki, (nrep * B,) + s[1:]).reshape(nrep, *s)).sum(0) / sigma for ki, s in zip(ks, shapes)]
-  return {s: e / (nrep * len(keys)) for s, e in zip(sites, accumulate(chunk, shapes, keyed(keys)))}
+    def noise(j:int, d:int|None, s:tuple[int, ...]) -> Tensor:  # the noise the model added at site j, depth d
+      return gaussian(ks[j] if d is None else model.site_key(ks[j], d), (nrep * B,) + s[1:]).reshape(nrep, *s)
+    return [-(reward.unsqueeze(-1) * noise(j, d, s)).sum(0) / sigma for (j, d), s in zip(outs, shapes)]
+  return {recorded(model, sites[j], d): e / (nrep * len(keys)) for (j, d), e in zip(outs, accumulate(chunk, shapes, keyed(keys)))}
 
 # ***** output head: the slab trick on the cached logits (§3.6) *****
 
@@ -163,12 +180,14 @@ def error_site(kind:str, l:int) -> str: return f"value_embeds.{l}" if kind == "v
 def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
 class CleanAttention:
-  """Block l's clean attention from the capture, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e,
-  output o [B, H, T, hd]. A draw recomputes only this attention, never the network."""
-  def __init__(self, model, rec:dict[str, Tensor], l:int):
-    self.model, self.window, self.ve = model, model.window(l), model.has_ve(l)
-    self.q, self.k, v = [self.heads(rec[error_site(kind, l)]) for kind in ("q", "k", "v")]
-    if self.ve: self.z, self.e = rec[error_site("gate", l)].float().transpose(1, 2), self.heads(rec[error_site("ve", l)]).transpose(1, 2)
+  """The clean attention at depth i from the capture, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values
+  u = v + gate e, output o [B, H, T, hd]. A draw recomputes only this attention, never the network. Depth i is block i of the GPT,
+  loop i of the looped model."""
+  def __init__(self, model, rec:dict[str, Tensor], i:int):
+    self.model, self.window, self.ve = model, model.window(i), model.has_ve(i)
+    def get(kind:str) -> Tensor: return rec[recorded(model, error_site(kind, model.pblock(i)), i)]
+    self.q, self.k, v = [self.heads(get(kind)) for kind in ("q", "k", "v")]
+    if self.ve: self.z, self.e = get("gate").float().transpose(1, 2), self.heads(get("ve")).transpose(1, 2)
     self.u = v.transpose(1, 2) + (gate(self.z).unsqueeze(-1) * self.e if self.ve else 0)
     self.qh, self.kh = self.hat(self.q), self.hat(self.k)
     self.o = attention(self.qh, self.kh, self.u, self.window)
@@ -232,30 +251,42 @@ def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
 
 def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, Tensor]:
   """The Dust estimate of the gradient of the mean token loss, one tensor per model.params entry; the same key gives the same
-  estimate. opts: recipe (a Recipe, else recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full")."""
-  L = model.cfg.n_layer
+  estimate. opts: recipe (a Recipe, else recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full").
+  Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at
+  every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations (see the top)."""
+  L = model.n_pblocks
   rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), L)
   rerun, nrep, sigma = opts.get("rerun", "block"), rc.nrep, rc.sigma
   _, rec = model.capture(x, y)  # every estimate of the step uses these clean weights and activations
   counts = [*rc.writers, *rc.hubs, rc.embedding, rc.head, *(c for v in rc.local.values() for c in v)]
-  table = chunk_keys(key, L, max(max(counts) // nrep, rc.scalar_draws))
+  table = chunk_keys(key, model.n_blocks, max(max(counts) // nrep, rc.scalar_draws))
   def keys(group:str, l:int, draws:int) -> np.ndarray: return table[:draws // nrep, l, GROUPS.index(group)]
-  def group(name:str, l:int, sites:tuple[str, ...], s:float, draws:int) -> dict[str, Tensor]:
-    return direct(model, x, y, rec, sites, s, keys(name, l, draws), nrep, rerun) if draws else {}
-  err:dict[str, Tensor] = {}
+  def depths(l:int) -> tuple[int, ...]: return tuple(i for i in range(model.n_blocks) if model.pblock(i) == l)  # (l,) in the GPT
+  def group(name:str, l:int|None, sites:tuple[str, ...], s:float, draws:int) -> dict[tuple[str, int|None], Tensor]:
+    """The group's per-token errors, keyed by (site, depth); l is the parameter block, None outside the blocks."""
+    if not draws: return {}
+    ds = (None,) if l is None else depths(l)
+    e = direct(model, x, y, rec, sites, s, keys(name, 0 if l is None else l, draws), nrep, rerun, ds)
+    return {(site, d): e[recorded(model, site, d)] for site in sites for d in ds}
+  err:dict[tuple[str, int|None], Tensor] = {}
   for l in range(L):  # writers then hidden, block by block; then the embedding (§3.2 order)
     pre = f"transformer.h.{l}"
     err |= group("writers", l, (f"{pre}.attn.c_proj", f"{pre}.mlp.c_proj"), sigma["writers"], rc.writers[l])
     err |= group("hidden", l, (f"{pre}.mlp.c_fc",), sigma["hidden"], rc.hidden[l])
-  err |= group("embedding", 0, ("transformer.wte",), sigma["embedding"], rc.embedding)
-  targets = [group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).get(f"o@{l}") for l in range(L)]  # feed §3.5 only
-  err["lm_head"] = head_error(model, rec, y, sigma["head"], table[:rc.head // nrep, 0, GROUPS.index("head")], nrep)
-  attn = [CleanAttention(model, rec, l) for l in range(L)]
+  err |= group("embedding", None, ("transformer.wte",), sigma["embedding"], rc.embedding)
+  targets:dict[int, Tensor] = {}  # o@ per depth, to feed §3.5 only: no weight gradient of their own
+  for l in range(L): targets |= {d: t for (_, d), t in group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).items()}
+  err["lm_head", None] = head_error(model, rec, y, sigma["head"], table[:rc.head // nrep, 0, GROUPS.index("head")], nrep)
+  attn = [CleanAttention(model, rec, i) for i in range(model.n_blocks)]
   for kind in KINDS:
-    for l in range(L):
-      if rc.local[kind][l] and targets[l] is not None:
-        err[error_site(kind, l)] = local_error(attn[l], kind, targets[l], sigma["local"], rc.gamma, keys(kind, l, rc.local[kind][l]), nrep)
-  grads = {f"{s}.weight": weight_grad(e, rec[f"{s}:in"], model.params[f"{s}.weight"].shape) for s, e in err.items()}
+    for i in range(model.n_blocks):  # every depth: each loop of the looped model against its own target
+      l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
+      if draws and i in targets and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
+        err[error_site(kind, l), i] = local_error(attn[i], kind, targets[i], sigma["local"], rc.gamma, keys(kind, i, draws), nrep)
+  grads:dict[str, Tensor] = {}
+  for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them
+    n, g = f"{s}.weight", weight_grad(e, rec[recorded(model, s + ":in", d)], model.params[f"{s}.weight"].shape)
+    grads[n] = grads[n] + g if n in grads else g
   grads |= {n: g / y.numel() for n, g in scalar_es(model, x, y, sigma["scalars"], table[:rc.scalar_draws, 0, GROUPS.index("scalars")]).items()}
   out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
   Tensor.realize(*out.values())

@@ -58,10 +58,11 @@ def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate
 
 def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   """Causal attention where query s sees keys t with 0 <= s - t <= window. q, k, v: [B, H, T, hd].
-  Scores and softmax in float32 whatever the model dtype, as flash attention does (tinygrad's sdpa would use q's dtype)."""
+  Scores and softmax in float32 whatever the model dtype, as flash attention does (tinygrad's sdpa would use q's dtype):
+  q k^T takes its inputs in v's dtype (tensor cores in half) and accumulates and returns float32."""
   T = q.shape[2]
   lag = Tensor.arange(T).reshape(T, 1) - Tensor.arange(T).reshape(1, T)
-  scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+  scores = q.cast(v.dtype).matmul(k.cast(v.dtype).transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
   scores = ((lag >= 0) & (lag <= window)).where(scores, -math.inf)
   return scores.softmax(-1).cast(v.dtype) @ v
 

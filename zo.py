@@ -47,7 +47,8 @@ def spsa_pair(model, x:Tensor, y:Tensor, key:Tensor, j:Tensor, eps:float) -> Ten
   def loss(s:float) -> Tensor:
     params = {n: (p + s * eps * gaussian(fold(k, i), p.shape)).contiguous() for i, (n, p) in enumerate(model.params.items())}
     return model.losses(x, y, params=params).mean()
-  return Tensor.stack(loss(1.0), loss(-1.0)).realize()
+  lp = loss(1.0).realize()  # realized apart, so the memory planner can give the second forward the first one's buffers
+  return Tensor.stack(lp, loss(-1.0)).realize()
 
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3) -> tuple[Compact, Tensor]:
   keys = fold(key, Tensor.arange(pop)).contiguous().realize()
@@ -73,7 +74,7 @@ def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping
   antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss."""
   if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
   keys = fold(key, Tensor.arange(pop // 2)).contiguous().realize()
-  l = jitted(es_losses, model, x.shape, sigma=sigma, rank=rank)(x, y, keys).clone().realize()
+  l = jitted(es_losses, model, x.shape, keys.shape, sigma=sigma, rank=rank)(x, y, keys).clone().realize()
   f = shape_fitness(-l, shaping).reshape(-1, 2)
   return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
 
@@ -101,7 +102,7 @@ def group_lrs(model, method:str, optim:str, lr:float|None, pop:int) -> tuple[dic
   wte at 1000 under SGD (it feeds an RMSNorm, so its gradient is tiny). mezo/es: one group, since weight-space noise is as large
   on wte as anywhere and a 1000x lr would amplify it. Under AdamW the embeddings get 300x and the scalars 100x the base lr."""
   if method == "dust":
-    rc = dust.recipe(pop, "1M", optim, model.cfg.n_layer if hasattr(model.cfg, "n_layer") else model.n_pblocks)
+    rc = dust.recipe(pop, "1M", optim, model.n_pblocks)
     base = lr or rc.lr
     return {n: rc.lr_for(n) * base / rc.lr for n in model.params}, rc.momentum
   base = lr or {("backprop", "sgd"): 0.175, ("mezo", "sgd"): 2e-3, ("es", "sgd"): 1e-4}.get((method, optim), 2e-3)
@@ -138,7 +139,8 @@ class Optimizer:
     self.coef = g.coef.unsqueeze(0).cat(self.coef[:-1]).contiguous().realize()
     decay = (self.momentum ** Tensor.arange(self.W).float()).unsqueeze(1)
     keys, coef = self.keys.reshape(-1, 2), (self.coef * decay).reshape(-1)
-    Tensor.realize(*[p.assign(p - self.lrs[n] * self.scale * combine(fold(keys, i), coef, p.shape, g.rank))
+    scale = Tensor([self.scale]).reshape(())  # a tensor, not a Python float: a new lr is new data, not a new kernel
+    Tensor.realize(*[p.assign(p - self.lrs[n] * scale * combine(fold(keys, i), coef, p.shape, g.rank))
                      for i, (n, p) in enumerate(self.params.items())])
 
   def state(self) -> dict[str, Tensor]:
@@ -172,7 +174,7 @@ def resume(out:str, model, opt:Optimizer) -> int:
     if f"param.{n}" not in st or st[f"param.{n}"].shape != p.shape: raise UsageError(f"--resume: {path} holds another model ({n} differs)")
     p.assign(st[f"param.{n}"].to(p.device)).realize()
   opt.load(st)
-  return int(safe_load_metadata(path)[2]["step"])
+  return int(safe_load_metadata(path)[2]["__metadata__"]["step"])
 
 def val_loss(model, data, args, batches:int=4) -> float:
   kw = {"loops": args.eval_loops} if args.model == "looped" and args.eval_loops else {}
@@ -184,7 +186,7 @@ def compute_dtype():  # half precision (float32 accumulation, float32 master wei
 
 def make_model(args):
   from model import GPT, GPTConfig, Looped, LoopedConfig
-  over = {k: v for k, v in (("vocab", args.vocab), ("seq_len", args.seq)) if v}
+  over = {"vocab": args.vocab} if args.vocab else {}
   if args.model == "looped":
     model = Looped(LoopedConfig.preset("tiny", **over, **({"loops": args.loops} if args.loops else {})), args.seed, compute_dtype())
   else: model = GPT(GPTConfig.preset(args.model, **over), args.seed, compute_dtype())
@@ -198,6 +200,7 @@ def method_opts(args) -> dict:
 def train(args):
   from data import load
   model = make_model(args)
+  if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed)
   steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop)
@@ -205,16 +208,21 @@ def train(args):
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine")}
   start = 0
+  if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
-    old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+    if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
+    old = json.load(open(cfg_path))
     if diff := [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank") if old.get(k) != config[k]]:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
     start = resume(args.out, model, opt)
+    keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
+    with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
   elif os.path.exists(log_path) and not args.force:
     raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
   os.makedirs(args.out, exist_ok=True)
   json.dump(config, open(cfg_path, "w"), indent=1)
-  if not args.resume and os.path.exists(log_path): os.remove(log_path)
+  for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp"):  # --force: nothing of the old run stays
+    if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
   print(f"{args.method} pop {args.pop} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   stop = []
@@ -241,11 +249,15 @@ def train(args):
         print(f"interrupted: checkpoint of step {step + 1} saved in {args.out}; continue with --resume", file=sys.stderr)
         sys.exit(130)
 
+def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged
+  try: return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError): return math.inf
+
 def check_finite(g:Compact|dict[str, Tensor], step:int, out:str):
   named = {"coefficients": g.coef} if isinstance(g, Compact) else g
-  for n, t in named.items():
-    if not math.isfinite(t.float().square().sum().item()):
-      raise UsageError(f"step {step}: the estimate of {n} is not finite; the last good checkpoint is in {out}")
+  sums = Tensor.stack(*[t.float().square().sum() for t in named.values()]).numpy()  # one sync for all parameters
+  if bad := [n for n, s in zip(named, sums) if not math.isfinite(s)]:
+    raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite; the last good checkpoint is in {out}")
 
 # ***** --cosine: how close is each estimate to the backprop gradient, per layer type *****
 
@@ -289,7 +301,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
   p.add_argument("--tokens", type=int, default=1_000_000, help="training budget in tokens, when --steps is not given")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
-  p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+  p.add_argument("--seq", type=int, default=None, help="training sequence length, at most the model's context (default: the context)")
   p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
   p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
   p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
@@ -309,6 +321,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--devices", type=int, default=1, help="devices to spread the population over (1 for now)")
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
+  for flag in ("pop", "batch", "eval_every", "ckpt_every", "replay"):
+    if min(args.pops if flag == "pop" else [getattr(args, flag)]) < 1: p.error(f"--{flag.replace('_', '-')} must be at least 1")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
   return args
 
@@ -328,5 +342,7 @@ def main(argv:list[str]|None=None):
   except (UsageError, DataError, ValueError) as e:
     print(f"zo: error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+    sys.exit(130)
 
 if __name__ == "__main__": main()

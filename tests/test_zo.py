@@ -43,7 +43,7 @@ def background(request, tmp_path_factory):
   out = tmp_path_factory.mktemp("runs")
   with ThreadPoolExecutor(2) as pool:
     jobs = {}
-    if "test_resume_continues_exactly" in wanted:
+    if wanted & {"test_resume_continues_exactly", "test_resume_refusals"}:
       jobs["full"] = pool.submit(cli, **RUN, steps=10, out=out / "full")
       jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
     if "test_cli_cosine_table" in wanted:
@@ -233,20 +233,27 @@ def test_resume_continues_exactly(background):
   for r in (full, first, second): assert r.returncode == 0, r.stderr[-2000:]
   a, b = metrics(out / "full"), metrics(out / "split")
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(10))
+  assert all(r["tokens"] == (r["step"] + 1) * B * T and r["seconds"] >= 0 for r in a + b)
   np.testing.assert_allclose([r["train_loss"] for r in b], [r["train_loss"] for r in a], rtol=0, atol=1e-6)
+  assert all("val_loss" in r for r in (a[0], a[5], a[9], b[0], b[4], b[5], b[9]))  # every 5 steps and at the end of each run
   for ra, rb in zip(a, b):
     if "val_loss" in ra and "val_loss" in rb: assert abs(ra["val_loss"] - rb["val_loss"]) < 1e-6, (ra, rb)
-  assert "val_loss" in a[5] and "val_loss" in b[5] and "val_loss" in a[9] and "val_loss" in b[9]
   pa, pb = safe_load(str(out / "full" / "model.safetensors")), safe_load(str(out / "split" / "model.safetensors"))
   for n in [k for k in pa if k.startswith("param.")]: np.testing.assert_allclose(pb[n].numpy(), pa[n].numpy(), rtol=0, atol=1e-6, err_msg=n)
-  # refusals: exit code 2, one line that names the problem, nothing touched
-  before = (out / "split" / "metrics.jsonl").read_text()
+  assert json.load(open(out / "split" / "config.json"))["steps"] == 10
+
+def test_resume_refusals(background):
+  # resuming into another method or model shape, or overwriting a run without --force, must stop with exit code 2 and one line
+  out, jobs = background
+  full, (first, _) = jobs["full"].result(), jobs["split"].result()
+  assert full.returncode == 0 and first.returncode == 0, (full.stderr[-2000:], first.stderr[-2000:])
+  before = {d: (out / d / "metrics.jsonl").read_text() for d in ("full", "split")}
   for over, name, says in (({"method": "es", "resume": True}, "split", "method"), ({"vocab": 32, "resume": True}, "split", "vocab"),
                            ({}, "full", "--resume")):
     r = cli(**(RUN | over), steps=12, out=out / name)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("zo: error:") and says in r.stderr, \
       (over, r.stderr[-2000:])
-  assert (out / "split" / "metrics.jsonl").read_text() == before and len(metrics(out / "full")) == 10
+  assert all((out / d / "metrics.jsonl").read_text() == before[d] for d in before), "a refused run touched the log"
 
 # ***** 7. the command line *****
 

@@ -1,0 +1,284 @@
+"""Robustness of the zo.py command line, with real processes and signals: bad input stops with one line and exit code 2, a non-finite
+loss stops the run and keeps the last good checkpoint, checkpoints are atomic under kill -9, --resume after kill -9 or Ctrl-C
+reproduces the uninterrupted run exactly, and a run in --out is not overwritten without --force.
+
+Cost: every run is a fresh process that compiles its kernels again (seconds each on a 2-core CPU), so all runs use the tiny preset at
+vocab 64, 2x16 tokens a step and mezo with 2 directions, and the long ones start in the background when the module starts (two at a
+time), while the quick bad-input tests run."""
+import contextlib, json, math, os, random, re, signal, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+# PARALLEL=0: tinygrad compiles in the process, instead of spawning a pool of compile workers (seconds of imports) for each run
+ENV = {**os.environ, "DEV": "CPU", "NOOPT": "1", "PYTHONUNBUFFERED": "1", "PARALLEL": "0"}
+RUN = ["--method", "mezo", "--pop", "2", "--model", "tiny", "--vocab", "64", "--seq", "16", "--batch", "2", "--eval-every", "100", "--seed", "0"]
+STEPS = 12
+KILL_AT = random.Random(5).randint(4, 10)  # kill -9 once metrics.jsonl has this many lines (8)
+NAN_AT = 3  # the step whose loss (or estimate) the wrappers make NaN
+
+# python -c wrappers that patch zo, then run zo.main on the rest of argv: their own arguments come first
+POISON = """
+import sys
+from tinygrad import Tensor
+import zo
+mode, at, run, calls = sys.argv[1], int(sys.argv[2]), zo.run_estimator, []
+def poisoned(*args, **kwargs):
+  g, loss = run(*args, **kwargs)
+  calls.append(1)
+  if len(calls) == at + 1:
+    if mode == "loss": loss = Tensor(float("nan"))
+    else: g.coef = g.coef * float("nan")
+  return g, loss
+zo.run_estimator = poisoned
+zo.main(sys.argv[3:])
+"""
+STALL = """
+import os, sys, time
+import zo
+save, at = zo.safe_save, sys.argv[1]
+def stalled(tensors, fn, *args, **kwargs):
+  save(tensors, fn, *args, **kwargs)
+  if (kwargs.get("metadata") or (args[0] if args else {})).get("step") == at:
+    open(os.path.join(os.path.dirname(fn), "stalled"), "w").close()
+    time.sleep(600)
+zo.safe_save = stalled
+zo.main(sys.argv[2:])
+"""
+
+def argv(out:Path, *extra) -> list[str]: return [*RUN, "--out", str(out), *map(str, extra)]
+
+def command(args, code:str|None) -> list[str]: return [sys.executable, *(["-c", code] if code else ["zo.py"]), *map(str, args)]
+
+def cli(*args, code:str|None=None) -> subprocess.CompletedProcess:
+  return subprocess.run(command(args, code), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+def start(err:Path, *args, code:str|None=None) -> subprocess.Popen:
+  """A run in the background, in its own process group (as a terminal's Ctrl-C would reach it). stderr goes to a file: a pipe that
+  nobody reads fills up with the progress bar and blocks the run."""
+  with open(err, "w") as f:
+    return subprocess.Popen(command(args, code), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+
+def stop(p:subprocess.Popen, sig:int=signal.SIGKILL) -> int:
+  """Send sig to the run's process group and wait for it; a run that outlives a SIGINT by two minutes gets SIGKILL."""
+  with contextlib.suppress(ProcessLookupError):
+    if p.poll() is None: os.killpg(p.pid, sig)
+  try: return p.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    raise
+
+def wait_until(p:subprocess.Popen, err:Path, cond, timeout:float=300):
+  end = time.monotonic() + timeout
+  while not cond():
+    assert p.poll() is None, f"the run ended early with exit code {p.returncode}:\n{err.read_text()[-3000:]}"
+    assert time.monotonic() < end, "timed out"
+    time.sleep(0.02)
+
+def lines(out:Path) -> int:
+  try: return (out / "metrics.jsonl").read_text().count("\n")
+  except FileNotFoundError: return 0
+
+def metrics(out:Path) -> list[dict]: return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+def checkpoint(path:Path) -> tuple[int, dict[str, np.ndarray]]:
+  with safe_open(str(path), "np") as f: return int(f.metadata()["step"]), {k: f.get_tensor(k) for k in f.keys()}
+
+def error_line(r:subprocess.CompletedProcess) -> str:
+  """The error's one line: the last line of stderr (a progress bar may come before it), and no traceback."""
+  assert r.returncode == 2 and "Traceback" not in r.stderr, f"exit code {r.returncode}:\n{r.stderr[-3000:]}"
+  msg = r.stderr.strip().splitlines()[-1]
+  assert msg.startswith("zo: error: "), r.stderr[-3000:]
+  return msg
+
+# ***** the long runs, started in the background when the module starts *****
+
+def run_ref(tmp:Path) -> dict:
+  r = cli(*argv(tmp / "ref", "--steps", STEPS, "--ckpt-every", 3))
+  assert r.returncode == 0, r.stderr[-3000:]
+  return {"metrics": metrics(tmp / "ref")}
+
+def run_kill9(tmp:Path) -> dict:
+  """kill -9 once metrics.jsonl has KILL_AT lines, then --resume to the end."""
+  out, err = tmp / "kill9", tmp / "kill9.stderr"
+  p = start(err, *argv(out, "--steps", STEPS, "--ckpt-every", 3))
+  try: wait_until(p, err, lambda: lines(out) >= KILL_AT)
+  finally: stop(p)
+  killed, (ckpt, _) = lines(out), checkpoint(out / "model.safetensors")
+  r = cli(*argv(out, "--steps", STEPS, "--ckpt-every", 3, "--resume"))
+  return {"out": out, "killed": killed, "ckpt": ckpt, "resume": r, "metrics": metrics(out) if r.returncode == 0 else None}
+
+def run_sigint(tmp:Path) -> dict:
+  """--out holds a stale run: refused without --force; with --force a long run, Ctrl-C after 2 steps, then --resume to STEPS."""
+  out, err = tmp / "sigint", tmp / "sigint.stderr"
+  out.mkdir()
+  stale = '{"step": 0, "tokens": 32, "train_loss": 123.0, "seconds": 1.0}\n'
+  (out / "metrics.jsonl").write_text(stale)
+  save_file({"param.stale": np.zeros(4, np.float32)}, str(out / "model.safetensors"), metadata={"step": "50"})
+  res = {"out": out, "refused": cli(*argv(out, "--steps", STEPS)), "stale_after_refusal": (out / "metrics.jsonl").read_text() == stale}
+  p = start(err, *argv(out, "--steps", 1000, "--ckpt-every", 1000, "--force"))
+  try:
+    wait_until(p, err, lambda: lines(out) >= 2 and (out / "metrics.jsonl").read_text() != stale)
+    res["old_ckpt"] = checkpoint(out / "model.safetensors")[0] if (out / "model.safetensors").exists() else None
+    res["forced_first"] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+  finally: res["rc"] = stop(p, signal.SIGINT)
+  res |= {"stderr": err.read_text(), "lines": lines(out)}
+  res["ckpt"] = checkpoint(out / "model.safetensors") if (out / "model.safetensors").exists() else None
+  res["resume"] = r = cli(*argv(out, "--steps", STEPS, "--ckpt-every", 1000, "--resume"))
+  res["metrics"] = metrics(out) if r.returncode == 0 else None
+  return res
+
+def run_nan(tmp:Path, mode:str) -> dict:
+  out = tmp / f"nan_{mode}"
+  r = cli(mode, NAN_AT, *argv(out, "--steps", STEPS, "--ckpt-every", 1), code=POISON)
+  return {"out": out, "r": r}
+
+def run_atomic(tmp:Path) -> dict:
+  """kill -9 while the checkpoint of step 6 sits written in the temp file, before it replaces the checkpoint of step 3."""
+  out, err = tmp / "atomic", tmp / "atomic.stderr"
+  p = start(err, "6", *argv(out, "--steps", STEPS, "--ckpt-every", 3), code=STALL)
+  try:
+    wait_until(p, err, lambda: (out / "stalled").exists())
+    tmp_keys = set(checkpoint(out / "model.safetensors.tmp")[1]) if (out / "model.safetensors.tmp").exists() else None
+  finally: stop(p)
+  return {"out": out, "tmp_keys": tmp_keys}
+
+CHAINS = {"kill9": run_kill9, "sigint": run_sigint, "ref": run_ref, "nan_loss": lambda t: run_nan(t, "loss"),
+          "nan_estimate": lambda t: run_nan(t, "estimate"), "atomic": run_atomic}
+NEEDS = {"test_nonfinite_stops": ("nan_loss", "nan_estimate"), "test_atomic_checkpoint": ("atomic",), "test_resume_after_kill9": ("kill9", "ref"),
+         "test_resume_refuses_other_flags": ("kill9",), "test_resume_drops_torn_line": ("kill9",), "test_force": ("sigint", "ref"),
+         "test_sigint": ("sigint", "ref")}
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+  wanted = {c for item in request.session.items for c in NEEDS.get(getattr(item, "originalname", item.name), ())}
+  tmp = tmp_path_factory.mktemp("robust")
+  with ThreadPoolExecutor(2) as pool: yield {name: pool.submit(fn, tmp) for name, fn in CHAINS.items() if name in wanted}
+
+# ***** bad input: exit code 2 and one line naming the problem *****
+
+def bad_inputs(tmp:Path) -> dict:
+  (tmp / "empty.npy").write_bytes(b"")
+  (tmp / "dir.npy").mkdir()
+  (tmp / "wrong.bin").write_bytes(np.zeros(256 + 200, "<i4").tobytes())
+  ids = np.arange(400, dtype=np.int32) % 64
+  ids[5] = 100
+  np.save(tmp / "big.npy", ids)
+  (tmp / "afile").write_text("not a directory")
+  return {"missing": (["--data", tmp / "none.npy"], [str(tmp / "none.npy"), "no such file"]),
+          "empty": (["--data", tmp / "empty.npy"], [str(tmp / "empty.npy"), "empty"]),
+          "directory": (["--data", tmp / "dir.npy"], [str(tmp / "dir.npy"), "read"]),
+          "bin header": (["--data", tmp / "wrong.bin"], [str(tmp / "wrong.bin"), "magic"]),
+          "id >= vocab": (["--data", tmp / "big.npy"], [str(tmp / "big.npy"), "100", "--vocab"]),
+          "seq > context": (["--seq", 1000], ["--seq 1000", "context", "64"]),
+          "dust population": (["--method", "dust", "--pop", 100], ["100", "64", "256", "1024", "4096", "16384"]),
+          "out is a file": (["--out", tmp / "afile"], [str(tmp / "afile")])}
+
+# protects: each mistake a user can fix stops before any training with exit code 2 and one line that names it, no traceback
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "bin header", "id >= vocab", "seq > context", "dust population", "out is a file"])
+def test_bad_input(case:str, tmp_path:Path):
+  args, words = bad_inputs(tmp_path)[case]
+  r = cli(*argv(tmp_path / "out", "--steps", 2), *args)  # argparse keeps the last of a repeated flag
+  msg = error_line(r)
+  assert len(r.stderr.strip().splitlines()) == 1 and all(w in msg for w in words), r.stderr
+
+# protects: an unknown --method or --model is refused by the parser with exit code 2 and the list of choices, no traceback
+@pytest.mark.parametrize("flag,value", [("--method", "sgd"), ("--model", "huge")])
+def test_unknown_choice(flag:str, value:str, tmp_path:Path):
+  r = cli(*argv(tmp_path / "out", "--steps", 2), flag, value)
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr and flag in r.stderr, r.stderr
+
+# protects: a count that must be positive is refused up front (exit 2, naming the flag), not with a traceback later in the run
+@pytest.mark.parametrize("flag", ["--pop", "--batch", "--eval-every", "--ckpt-every"])
+def test_nonpositive_count(flag:str, tmp_path:Path):
+  r = cli(*argv(tmp_path / "out", "--steps", 2), flag, 0)
+  assert r.returncode == 2 and "Traceback" not in r.stderr and flag in r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
+
+# protects: --resume where there is no run says so, instead of blaming flags that differ from a config that doesn't exist
+def test_resume_without_run(tmp_path:Path):
+  msg = error_line(cli(*argv(tmp_path / "nothing", "--steps", 2, "--resume")))
+  assert str(tmp_path / "nothing") in msg and re.search(r"no (checkpoint|run)|nothing to resume", msg), msg
+
+# ***** non-finite loss *****
+
+# protects: a NaN loss or estimate at step k stops the run (exit 2, one line naming step k) before the bad update, and the checkpoint
+# of step k (--ckpt-every 1) stays loadable, finite, with its step, while metrics.jsonl ends at step k-1
+@pytest.mark.parametrize("mode", ["loss", "estimate"])
+def test_nonfinite_stops(mode:str, runs):
+  res = runs[f"nan_{mode}"].result()
+  msg = error_line(res["r"])
+  assert re.search(rf"\bstep {NAN_AT}\b", msg) and ("loss" if mode == "loss" else "estimate") in msg, msg
+  step, params = checkpoint(res["out"] / "model.safetensors")
+  assert step == NAN_AT and any(k.startswith("param.") for k in params)
+  assert all(np.isfinite(v).all() for k, v in params.items() if k.startswith("param.")), "the last checkpoint holds non-finite weights"
+  m = metrics(res["out"])
+  assert [r["step"] for r in m] == list(range(NAN_AT)) and all(math.isfinite(r["train_loss"]) for r in m)
+
+# ***** atomic checkpoints *****
+
+# protects: kill -9 in the middle of a save (new checkpoint in the temp file, not yet renamed) leaves the previous checkpoint whole
+def test_atomic_checkpoint(runs):
+  res = runs["atomic"].result()
+  assert res["tmp_keys"] is not None, "the checkpoint is not written to model.safetensors.tmp first"
+  step, params = checkpoint(res["out"] / "model.safetensors")
+  assert step == 3 and set(params) == res["tmp_keys"]
+  assert all(np.isfinite(v).all() for k, v in params.items() if k.startswith("param."))
+
+# ***** --resume *****
+
+def losses(m:list[dict]) -> list[tuple[int, float]]: return [(r["step"], r["train_loss"]) for r in m]
+
+# protects: kill -9 at a random step, then --resume, gives exactly the uninterrupted run's losses, one line per step, no duplicates
+def test_resume_after_kill9(runs):
+  res, ref = runs["kill9"].result(), runs["ref"].result()
+  assert 0 < res["ckpt"] < STEPS and res["killed"] >= KILL_AT, res
+  assert res["resume"].returncode == 0 and "Traceback" not in res["resume"].stderr, res["resume"].stderr[-3000:]
+  assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
+  assert losses(res["metrics"]) == losses(ref["metrics"])
+  assert checkpoint(res["out"] / "model.safetensors")[0] == STEPS
+
+# protects: --resume with another --method or --vocab than the run in --out is refused (exit 2, naming the flag), touching nothing
+@pytest.mark.parametrize("flag,value", [("--method", "backprop"), ("--vocab", "32")])
+def test_resume_refuses_other_flags(flag:str, value:str, runs):
+  out = runs["kill9"].result()["out"]
+  before = {f: (out / f).read_bytes() for f in ("config.json", "metrics.jsonl", "model.safetensors")}
+  msg = error_line(cli(*argv(out, "--steps", STEPS, "--resume"), flag, value))
+  assert flag.lstrip("-") in msg, msg
+  assert before == {f: (out / f).read_bytes() for f in before}
+
+# protects: a crash mid-write (power loss, full disk) can leave a torn last line in metrics.jsonl: --resume drops it, it doesn't fail on it
+def test_resume_drops_torn_line(runs):
+  out = runs["kill9"].result()["out"]
+  good = (out / "metrics.jsonl").read_text()
+  (out / "metrics.jsonl").write_text(good + '{"step": 12, "tok')
+  r = cli(*argv(out, "--steps", STEPS, "--resume"))  # the checkpoint is at the last step: nothing left to train
+  assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert (out / "metrics.jsonl").read_text() == good
+
+# ***** --force *****
+
+# protects: a run in --out is refused without --force (exit 2, its metrics untouched); --force starts afresh, and drops the old run's
+# checkpoint, which a later --resume would otherwise pick up
+def test_force(runs):
+  res, ref = runs["sigint"].result(), runs["ref"].result()
+  msg = error_line(res["refused"])
+  assert "--force" in msg and res["stale_after_refusal"], msg
+  assert res["forced_first"]["step"] == 0 and res["forced_first"]["train_loss"] == ref["metrics"][0]["train_loss"]
+  assert res["old_ckpt"] != 50, "--force left the old run's checkpoint in --out"
+
+# ***** Ctrl-C *****
+
+# protects: Ctrl-C finishes the step, saves a checkpoint of the completed steps and exits with 130, no traceback; --resume then
+# continues exactly as if there had been no interruption
+def test_sigint(runs):
+  res, ref = runs["sigint"].result(), runs["ref"].result()
+  assert res["rc"] == 130 and "Traceback" not in res["stderr"], f"exit code {res['rc']}:\n{res['stderr'][-3000:]}"
+  assert res["ckpt"] is not None and res["ckpt"][0] == res["lines"] >= 2, (res["ckpt"] and res["ckpt"][0], res["lines"])
+  assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
+  assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
+  assert losses(res["metrics"]) == losses(ref["metrics"])
