@@ -251,13 +251,18 @@ def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
 
 def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, Tensor]:
   """The Dust estimate of the gradient of the mean token loss, one tensor per model.params entry; the same key gives the same
-  estimate. opts: recipe (a Recipe, else recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full").
+  estimate (step() also returns the clean mean loss)."""
+  return step(model, x, y, pop, key, **opts)[0]
+
+def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
+  """(the estimate, the clean mean loss of the capture pass). opts: recipe (a Recipe, else recipe(pop, budget, optimizer,
+  n_layer)), budget, optimizer, rerun ("block" | "full").
   Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at
   every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations (see the top)."""
   L = model.n_pblocks
   rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), L)
   rerun, nrep, sigma = opts.get("rerun", "block"), rc.nrep, rc.sigma
-  _, rec = model.capture(x, y)  # every estimate of the step uses these clean weights and activations
+  loss, rec = model.capture(x, y)  # every estimate of the step uses these clean weights and activations
   counts = [*rc.writers, *rc.hubs, rc.embedding, rc.head, *(c for v in rc.local.values() for c in v)]
   table = chunk_keys(key, model.n_blocks, max(max(counts) // nrep, rc.scalar_draws))
   def keys(group:str, l:int, draws:int) -> np.ndarray: return table[:draws // nrep, l, GROUPS.index(group)]
@@ -290,4 +295,4 @@ def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, T
   grads |= {n: g / y.numel() for n, g in scalar_es(model, x, y, sigma["scalars"], table[:rc.scalar_draws, 0, GROUPS.index("scalars")]).items()}
   out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
   Tensor.realize(*out.values())
-  return out
+  return out, loss.mean()

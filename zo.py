@@ -86,7 +86,7 @@ def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opt
   k = root_key(key)
   if method == "mezo": return mezo(model, x, y, pop, k, **opts)
   if method == "es": return es(model, x, y, pop, k, **opts)
-  if method == "dust": return dust.estimate(model, x, y, pop, key, **opts), model.losses(x, y).mean()
+  if method == "dust": return dust.step(model, x, y, pop, key, **opts)
   if method == "backprop": return backprop(model, x, y)
   raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
 
