@@ -15,11 +15,14 @@ in every perturbed pass, the outer products formed chunk by chunk) would keep it
 """
 from __future__ import annotations
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 import numpy as np
-from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad import Tensor, dtypes
+from tinygrad.device import Buffer
+from tinygrad.uop.ops import buffers
 from kernels.noise import key as root_key, fold, gaussian
-from model import GPTConfig, attention, rms, rope
+from devices import inputs, replicas, shares
+from model import GPTConfig, attention, jitted, rms, rope
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -107,15 +110,32 @@ def chunk_keys(key:int, n_blocks:int, n_chunks:int) -> np.ndarray:
   """[chunk, block, group, 2]: fold(key, group, block, chunk) for every triple in one kernel; sites fold one more time."""
   return fold(root_key(key), Tensor.arange(len(GROUPS)), Tensor.arange(n_blocks), Tensor.arange(n_chunks)).numpy()
 
-def accumulate(chunk:Callable[..., list[Tensor]], shapes:list[tuple[int, ...]], args:Iterable[tuple[Tensor, ...]]) -> list[Tensor]:
-  """Sum chunk(*a) over the chunks' args. The chunk is one TinyJit whose only inputs are the chunk's key (and slab), so a single
-  compiled structure serves every chunk; the sums live in buffers the JIT updates in place (TINYGRAD.md §2)."""
-  acc = [Tensor.zeros(*s).contiguous().realize() for s in shapes]
-  step = TinyJit(lambda *a: Tensor.realize(*[s.assign(s + d) for s, d in zip(acc, chunk(*a))]))
-  for a in args: step(*a)
+def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], args:Iterable[tuple[Tensor, ...]], *inputs,
+               **static) -> list[Tensor]:
+  """Sum chunk(model, *a, *inputs, **static) over the chunks' args a (a key, and the head's slab). The chunk runs as one TinyJit that
+  lives across steps: every tensor it reads is an input (the batch, the capture, the weights, the sums), so the next step's tensors
+  take the place of this step's and nothing is traced or compiled again, and the sums are updated in place (TINYGRAD.md §2). The
+  JIT's scratch buffers are freed after its group, so the update's ~60 JITs never hold their activations at the same time."""
+  args = list(args)
+  acc = [Tensor.zeros(*s, device=args[0][0].device).contiguous().realize() for s in shapes]  # where the chunks' keys are
+  jit = jitted(summed, model, tuple(shapes), chunk=chunk, **static)
+  for a in args: jit(*a, *inputs, acc)
+  if jit.captured is not None: release(jit.captured)
   return acc
 
-def keyed(keys:np.ndarray) -> Iterator[tuple[Tensor]]: return ((Tensor(k),) for k in keys)
+def release(captured) -> None:
+  """Free a captured JIT's scratch memory (its memory-plan arenas) until its next replay. tinygrad 0.14's free_intermediates frees
+  the arenas but keeps each intermediate's view into them with its old address, and a replay then writes through those views into
+  whatever owns that memory by then; so the views are deallocated first, and a replay derives them from the re-allocated arena."""
+  arenas = {b for u in captured._written_uops if isinstance(b := buffers.get(u), Buffer)}
+  for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in arenas and b.is_initialized()]: view.deallocate()
+  captured.free_intermediates()
+
+def summed(model, *a, chunk:Callable[..., list[Tensor]], **static) -> Tensor:
+  *a, acc = a
+  return Tensor.realize(*[s.assign(s + d) for s, d in zip(acc, chunk(model, *a, **static))])
+
+def keyed(keys:np.ndarray, device:str) -> Iterator[tuple[Tensor]]: return ((Tensor(k, device=device),) for k in keys)
 def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
 
 # ***** direct draws: writers, hidden, embedding, hubs (§3.3, §3.4) *****
@@ -132,17 +152,23 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   `depths`: where the sites' block is applied, several in the looped model. Its sites are jittered at all of them in the same
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
-  outs = [(j, d) for j in range(len(sites)) for d in depths]
-  shapes = [(B, T, rec[recorded(model, sites[j], d)].shape[-1]) for j, d in outs]
-  def chunk(k:Tensor) -> list[Tensor]:
-    ks = [fold(k, i) for i in range(len(sites))]
-    loss = model.losses(tile(x, nrep), tile(y, nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, rec if rerun == "block" else None)
-    loss = loss.reshape(nrep, B, T)
-    reward = loss.mean(0) - loss  # r_i - mean_j r_j with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
-    def noise(j:int, d:int|None, s:tuple[int, ...]) -> Tensor:  # the noise the model added at site j, depth d
-      return gaussian(ks[j] if d is None else model.site_key(ks[j], d), (nrep * B,) + s[1:]).reshape(nrep, *s)
-    return [-(reward.unsqueeze(-1) * noise(j, d, s)).sum(0) / sigma for (j, d), s in zip(outs, shapes)]
-  return {recorded(model, sites[j], d): e / (nrep * len(keys)) for (j, d), e in zip(outs, accumulate(chunk, shapes, keyed(keys)))}
+  outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
+  stream = model.stream(rec) if rerun == "block" else {}
+  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], keyed(keys, x.device), x, y, stream, model.params,
+                 sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun)
+  return {recorded(model, sites[j], d): e / (nrep * len(keys)) for (j, d, _), e in zip(outs, E)}
+
+def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], params:dict[str, Tensor], sites:tuple[str, ...],
+                 sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str) -> list[Tensor]:
+  """One chunk of `direct`: nrep draws, one per copy of the batch; outs lists (site index, depth, width) of the estimates."""
+  B, T = y.shape[:2]
+  ks = [fold(k, i) for i in range(len(sites))]
+  loss = model.losses(tile(x, nrep), tile(y, nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, stream if rerun == "block" else None, params)
+  loss = loss.reshape(nrep, B, T)
+  reward = loss.mean(0) - loss  # r_i - mean_j r_j with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
+  def noise(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
+    return gaussian(ks[j] if d is None else model.site_key(ks[j], d), (nrep * B, T, w)).reshape(nrep, B, T, w)
+  return [-(reward.unsqueeze(-1) * noise(j, d, w)).sum(0) / sigma for j, d, w in outs]
 
 # ***** output head: the slab trick on the cached logits (§3.6) *****
 
@@ -151,26 +177,35 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, keys:np.ndar
   reward reflects only 256 columns. A vocab that isn't a multiple of 256 is one slab of its own width."""
   z = rec["lm_head"].float()
   B, T, V = z.shape
-  W = 256 if V % 256 == 0 else V
-  S, cap = V // W, model.cfg.softcap
+  S = slabs(model)
+  W = V // S
   assert len(keys) % S == 0, f"{len(keys)} head chunks don't cycle evenly over {S} slabs"
-  def softcap(t:Tensor) -> Tensor: return cap * (t / cap).tanh()
-  c, hit = softcap(z), (y.unsqueeze(-1) == Tensor.arange(V)).float()
-  slab_sum = c.exp().reshape(B, T, S, W).sum(-1).realize()  # |c| <= cap, so exp needs no max-subtraction
-  c_y = (c * hit).sum(-1).realize()
-  loss0 = (slab_sum.sum(-1).log() - c_y).realize()
-  z, hit = z.reshape(B, T, S, W), hit.reshape(B, T, S, W).realize()
-  def chunk(k:Tensor, slab:Tensor) -> list[Tensor]:  # slab: one-hot [S] of this chunk's slab
-    def pick(t:Tensor) -> Tensor: return (t * slab.reshape(S, 1)).sum(2)
-    a = gaussian(k, (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
-    c2, h = softcap(pick(z) + sigma * a).contiguous(), pick(hit)
-    target = (h.sum(-1) > 0).where((c2 * h).sum(-1), c_y)
-    reward = loss0 - ((slab_sum.sum(-1) - (slab_sum * slab).sum(-1) + c2.exp().sum(-1)).log() - target)
-    if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
-    return [(-(reward.unsqueeze(-1) * a).sum(0) / sigma).unsqueeze(2).mul(slab.reshape(S, 1)).reshape(B, T, V)]
-  slabs = [Tensor(np.eye(S, dtype=np.float32)[j]).realize() for j in range(S)]
-  (E,) = accumulate(chunk, [(B, T, V)], ((Tensor(k), slabs[m % S]) for m, k in enumerate(keys)))
+  c, hit = softcap(z, model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
+  slab_sum = c.exp().reshape(B, T, S, W).sum(-1)  # |c| <= cap, so exp needs no max-subtraction
+  c_y = (c * hit).sum(-1)
+  clean = {"z": z.reshape(B, T, S, W), "hit": hit.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
+  Tensor.realize(*clean.values())
+  onehot = [Tensor(np.eye(S, dtype=np.float32)[j], device=z.device).realize() for j in range(S)]
+  args = ((Tensor(k, device=z.device), onehot[m % S]) for m, k in enumerate(keys))
+  (E,) = accumulate(head_chunk, model, [(B, T, V)], args, clean, sigma=sigma, nrep=nrep)
   return E / (nrep * len(keys) // S)  # the draws each slab received
+
+def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
+
+def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()
+
+def head_chunk(model, k:Tensor, slab:Tensor, clean:dict[str, Tensor], sigma:float, nrep:int) -> list[Tensor]:
+  """One chunk of `head_error` on slab `slab` (one-hot [S]); clean: the capture's raw logits z and one-hot targets hit, as
+  [B, T, S, W] slabs, and the softcapped logits' exp-sums per slab, target logit and loss."""
+  B, T, S, W = clean["z"].shape
+  def pick(t:Tensor) -> Tensor: return (t * slab.reshape(S, 1)).sum(2)
+  a = gaussian(k, (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
+  c2, h = softcap(pick(clean["z"]) + sigma * a, model.cfg.softcap).contiguous(), pick(clean["hit"])
+  target = (h.sum(-1) > 0).where((c2 * h).sum(-1), clean["c_y"])
+  slab_sum = clean["slab_sum"]
+  reward = clean["loss0"] - ((slab_sum.sum(-1) - (slab_sum * slab).sum(-1) + c2.exp().sum(-1)).log() - target)
+  if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
+  return [(-(reward.unsqueeze(-1) * a).sum(0) / sigma).unsqueeze(2).mul(slab.reshape(S, 1)).reshape(B, T, S * W)]
 
 # ***** attention internals: local errors against the hub targets (§3.5) *****
 
@@ -180,18 +215,23 @@ def error_site(kind:str, l:int) -> str: return f"value_embeds.{l}" if kind == "v
 def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
 class CleanAttention:
-  """The clean attention at depth i from the capture, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values
-  u = v + gate e, output o [B, H, T, hd]. A draw recomputes only this attention, never the network. Depth i is block i of the GPT,
-  loop i of the looped model."""
-  def __init__(self, model, rec:dict[str, Tensor], i:int):
-    self.model, self.window, self.ve = model, model.window(i), model.has_ve(i)
+  """The clean attention at depth i, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, output
+  o [B, H, T, hd] (and the gate's logits z, the value embedding e). A draw recomputes only this attention, never the network.
+  Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can take them as inputs."""
+  def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
+
+  @classmethod
+  def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
     def get(kind:str) -> Tensor: return rec[recorded(model, error_site(kind, model.pblock(i)), i)]
-    self.q, self.k, v = [self.heads(get(kind)) for kind in ("q", "k", "v")]
-    if self.ve: self.z, self.e = get("gate").float().transpose(1, 2), self.heads(get("ve")).transpose(1, 2)
-    self.u = v.transpose(1, 2) + (gate(self.z).unsqueeze(-1) * self.e if self.ve else 0)
-    self.qh, self.kh = self.hat(self.q), self.hat(self.k)
-    self.o = attention(self.qh, self.kh, self.u, self.window)
-    Tensor.realize(*[t for t in (self.q, self.k, self.u, self.qh, self.kh, self.o) + ((self.z, self.e) if self.ve else ())])
+    att = cls(model, i, {})
+    t = att.t = {kind: att.heads(get(kind)) for kind in ("q", "k")}
+    u = att.heads(get("v")).transpose(1, 2)
+    if model.has_ve(i): t["z"], t["e"] = get("gate").float().transpose(1, 2), att.heads(get("ve")).transpose(1, 2)
+    t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if model.has_ve(i) else u
+    t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
+    t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
+    Tensor.realize(*t.values())
+    return att
 
   def heads(self, t:Tensor) -> Tensor: return t.float().reshape(*t.shape[:2], self.model.cfg.n_head, -1)
   def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, heads first
@@ -199,46 +239,53 @@ class CleanAttention:
 
   def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
-    if kind == "q": return attention(self.hat(tile(self.q, n) + sigma * a), tile(self.kh, n), tile(self.u, n), self.window) - tile(self.o, n)
-    if kind == "k": return attention(tile(self.qh, n), self.hat(tile(self.k, n) + sigma * a), tile(self.u, n), self.window) - tile(self.o, n)
+    t = {name: tile(v, n) for name, v in self.t.items()}
+    if kind == "q": return attention(self.hat(t["q"] + sigma * a), t["kh"], t["u"], self.window) - t["o"]
+    if kind == "k": return attention(t["qh"], self.hat(t["k"] + sigma * a), t["u"], self.window) - t["o"]
     a = a.transpose(1, 2)
-    du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * tile(gate(self.z), n).unsqueeze(-1),  # exact by linearity in u
-          "gate": lambda: (gate(tile(self.z, n) + sigma * a) - gate(tile(self.z, n) - sigma * a)).unsqueeze(-1) * tile(self.e, n)}[kind]()
-    return attention(tile(self.qh, n), tile(self.kh, n), du, self.window)
+    du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(t["z"]).unsqueeze(-1),  # exact by linearity in u
+          "gate": lambda: (gate(t["z"] + sigma * a) - gate(t["z"] - sigma * a)).unsqueeze(-1) * t["e"]}[kind]()
+    return attention(t["qh"], t["kh"], du, self.window)
 
 def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""
   lag = Tensor.arange(T).reshape(1, T) - Tensor.arange(T).reshape(T, 1)
-  return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0)
+  return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0).contiguous()  # not recomputed inside the matmul that reads it
 
 def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:float, keys:np.ndarray, nrep:int) -> Tensor:
   """Score each draw by <target_s, delta o_s> per head, a first-order stand-in for the loss increase (so no minus sign and no
   centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
-  B, T, H, hd = att.q.shape
-  shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
-  g = target.reshape(B, T, H, hd).transpose(1, 2)
-  C = credit(T, att.window, gamma)
-  def chunk(k:Tensor) -> list[Tensor]:
-    a = gaussian(fold(k, 0), shape)
-    score = (att.delta(kind, a, sigma, nrep) * tile(g, nrep)).sum(-1)  # [n B, H, T]
-    R = (score if kind == "q" else score @ C.T).transpose(1, 2)
-    return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(nrep, B, T, -1).sum(0) / divisor]
-  (E,) = accumulate(chunk, [(B, T, H if kind == "gate" else H * hd)], keyed(keys))
+  B, T, H, hd = att.t["q"].shape
+  (E,) = accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], keyed(keys, target.device), att.t, target.realize(),
+                    kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)
   return E / (nrep * len(keys))
+
+def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int) -> list[Tensor]:
+  att = CleanAttention(model, depth, clean)
+  B, T, H, hd = clean["q"].shape
+  shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
+  a = gaussian(fold(k, 0), shape)
+  score = (att.delta(kind, a, sigma, nrep) * tile(target.reshape(B, T, H, hd).transpose(1, 2), nrep)).sum(-1)  # [n B, H, T]
+  R = (score if kind == "q" else score @ credit(T, att.window, gamma).T).transpose(1, 2)
+  return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(nrep, B, T, -1).sum(0) / divisor]
 
 # ***** residual-mix scalars: two-sided weight-space ES (§3.7) *****
 
 def scalar_es(model, x:Tensor, y:Tensor, sigma:float, keys:np.ndarray) -> dict[str, Tensor]:
   """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
-  names = ("resid_lambdas", "x0_lambdas")
-  L = model.params[names[0]].shape[0]
-  def chunk(k:Tensor) -> list[Tensor]:
-    a = gaussian(fold(k, 0), (2 * L,))
-    def loss(sign:int) -> Tensor:
-      return model.losses(x, y, params=model.params | {n: model.params[n] + sign * sigma * a[i * L:(i + 1) * L] for i, n in enumerate(names)}).sum()
-    slope = (loss(1) - loss(-1)) / (2 * sigma)
-    return [slope * a[:L], slope * a[L:]]
-  return {n: e / len(keys) for n, e in zip(names, accumulate(chunk, [(L,), (L,)], keyed(keys)))}
+  L = model.params[SCALARS[0]].shape[0]
+  E = accumulate(scalar_chunk, model, [(L,), (L,)], keyed(keys, x.device), x, y, model.params, sigma=sigma)
+  return {n: e / len(keys) for n, e in zip(SCALARS, E)}
+
+SCALARS = ("resid_lambdas", "x0_lambdas")
+def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, params:dict[str, Tensor], sigma:float) -> list[Tensor]:
+  L = params[SCALARS[0]].shape[0]
+  a = gaussian(fold(k, 0), (2 * L,))
+  def loss(sign:int) -> Tensor:
+    moved = {n: (params[n] + sign * sigma * a[i * L:(i + 1) * L]).contiguous() for i, n in enumerate(SCALARS)}  # not re-hashed per use
+    return model.losses(x, y, params=params | moved).sum()
+  slope = (loss(1) - loss(-1)) / (2 * sigma)
+  return [slope * a[:L], slope * a[L:]]
 
 # ***** reassembly and the estimator (§3.2, §3.8) *****
 
@@ -254,15 +301,36 @@ def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, T
   estimate (step() also returns the clean mean loss)."""
   return step(model, x, y, pop, key, **opts)[0]
 
+class Worker:
+  """One device's part of a step: the model (or its replica on that device), the batch, and the clean capture that every estimate
+  of the step reads. Each device captures its own: a clean forward costs less than copying the activations."""
+  def __init__(self, model, x:Tensor, y:Tensor):
+    self.model, self.x, self.y = model, x, y
+    self.loss, self.rec = model.capture(x, y)
+    self.attn:list[CleanAttention] = []
+
+def across(work:list[Worker], keys:np.ndarray, run:Callable[[Worker, np.ndarray], Any], unit:int=1) -> Any:
+  """run(worker, its share of the chunk keys) on every device that gets a share; each result is a mean over its share, so their mean
+  weighted by share size, on the first device, is the estimate of all the keys. Shares are whole multiples of `unit` chunks (the
+  head's slab cycle). Every device's work is launched before any result is read, so GPUs work at the same time."""
+  dev, parts = work[0].x.device, []
+  for w, r in zip(work, shares(len(keys) // unit, len(work))):
+    if len(r): parts.append((len(r) * unit / len(keys), run(w, keys[r.start * unit:r.stop * unit])))
+  def mean(ps:list[tuple[float, Any]]) -> Any:
+    if isinstance(ps[0][1], dict): return {k: mean([(f, p[k]) for f, p in ps]) for k in ps[0][1]}
+    return ps[0][1].to(dev) if len(ps) == 1 else sum(f * p.to(dev) for f, p in ps)
+  return mean(parts)
+
 def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass). opts: recipe (a Recipe, else recipe(pop, budget, optimizer,
-  n_layer)), budget, optimizer, rerun ("block" | "full").
+  n_layer)), budget, optimizer, rerun ("block" | "full"), devices (split every group's chunks over this many devices).
   Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at
   every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations (see the top)."""
   L = model.n_pblocks
   rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), L)
   rerun, nrep, sigma = opts.get("rerun", "block"), rc.nrep, rc.sigma
-  loss, rec = model.capture(x, y)  # every estimate of the step uses these clean weights and activations
+  work = [Worker(m, *inputs(m, x, y)) for m in replicas(model, opts.get("devices", 1))]
+  loss, rec = work[0].loss, work[0].rec
   counts = [*rc.writers, *rc.hubs, rc.embedding, rc.head, *(c for v in rc.local.values() for c in v)]
   table = chunk_keys(key, model.n_blocks, max(max(counts) // nrep, rc.scalar_draws))
   def keys(group:str, l:int, draws:int) -> np.ndarray: return table[:draws // nrep, l, GROUPS.index(group)]
@@ -271,7 +339,7 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
     """The group's per-token errors, keyed by (site, depth); l is the parameter block, None outside the blocks."""
     if not draws: return {}
     ds = (None,) if l is None else depths(l)
-    e = direct(model, x, y, rec, sites, s, keys(name, 0 if l is None else l, draws), nrep, rerun, ds)
+    e = across(work, keys(name, 0 if l is None else l, draws), lambda w, ks: direct(w.model, w.x, w.y, w.rec, sites, s, ks, nrep, rerun, ds))
     return {(site, d): e[recorded(model, site, d)] for site in sites for d in ds}
   err:dict[tuple[str, int|None], Tensor] = {}
   for l in range(L):  # writers then hidden, block by block; then the embedding (§3.2 order)
@@ -281,18 +349,23 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
   err |= group("embedding", None, ("transformer.wte",), sigma["embedding"], rc.embedding)
   targets:dict[int, Tensor] = {}  # o@ per depth, to feed §3.5 only: no weight gradient of their own
   for l in range(L): targets |= {d: t for (_, d), t in group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).items()}
-  err["lm_head", None] = head_error(model, rec, y, sigma["head"], table[:rc.head // nrep, 0, GROUPS.index("head")], nrep)
-  attn = [CleanAttention(model, rec, i) for i in range(model.n_blocks)]
+  err["lm_head", None] = across(work, table[:rc.head // nrep, 0, GROUPS.index("head")],
+                                lambda w, ks: head_error(w.model, w.rec, w.y, sigma["head"], ks, nrep), unit=slabs(model))
+  for w in work: w.attn = [CleanAttention.capture(w.model, w.rec, i) for i in range(model.n_blocks)]
+  def local(kind:str, i:int, draws:int) -> Tensor:
+    return across(work, keys(kind, i, draws), lambda w, ks: local_error(w.attn[i], kind, targets[i].to(w.x.device), sigma["local"],
+                                                                         rc.gamma, ks, nrep))
   for kind in KINDS:
     for i in range(model.n_blocks):  # every depth: each loop of the looped model against its own target
       l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
       if draws and i in targets and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
-        err[error_site(kind, l), i] = local_error(attn[i], kind, targets[i], sigma["local"], rc.gamma, keys(kind, i, draws), nrep)
+        err[error_site(kind, l), i] = local(kind, i, draws)
   grads:dict[str, Tensor] = {}
   for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them
     n, g = f"{s}.weight", weight_grad(e, rec[recorded(model, s + ":in", d)], model.params[f"{s}.weight"].shape)
     grads[n] = grads[n] + g if n in grads else g
-  grads |= {n: g / y.numel() for n, g in scalar_es(model, x, y, sigma["scalars"], table[:rc.scalar_draws, 0, GROUPS.index("scalars")]).items()}
+  scalars = across(work, table[:rc.scalar_draws, 0, GROUPS.index("scalars")], lambda w, ks: scalar_es(w.model, w.x, w.y, sigma["scalars"], ks))
+  grads |= {n: g / y.numel() for n, g in scalars.items()}
   out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
   Tensor.realize(*out.values())
   return out, loss.mean()

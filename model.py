@@ -5,12 +5,20 @@ A *site* is a layer output that Dust jitters: `losses(idx, targets, jitter={site
 pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`, DUST.md §3.10).
 """
 from __future__ import annotations
-import math
+import itertools, math
 from dataclasses import dataclass, replace
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
+from tinygrad.uop.ops import UOp
 from kernels.noise import fold, gaussian
+
+# tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
+# and UOps are hash-consed: a new buffer with a placeholder's number and size *is* that placeholder, which the schedule cache keeps
+# for the life of the process, and with it the buffer's memory. A lazy forward schedules about one placeholder per activation, so the
+# first passes of a process leaked up to a forward's activations, more at every loop of the looped model (1.1 MB after two clean
+# forwards of the tiny one at 32 loops). New buffers numbered from 2^30 never meet a placeholder.
+UOp.unique_num = itertools.count(1 << 30)
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -62,7 +70,10 @@ def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   q k^T takes its inputs in v's dtype (tensor cores in half) and accumulates and returns float32."""
   T = q.shape[2]
   lag = Tensor.arange(T).reshape(T, 1) - Tensor.arange(T).reshape(1, T)
-  scores = q.cast(v.dtype).matmul(k.cast(v.dtype).transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
+  # materialized heads-first in v's dtype: a matmul that reads its operands through RoPE, the norm and the transposes recomputes
+  # them for every output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
+  q, k, v = [t.cast(v.dtype).contiguous() for t in (q, k, v)]
+  scores = q.matmul(k.transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
   scores = ((lag >= 0) & (lag <= window)).where(scores, -math.inf)
   return scores.softmax(-1).cast(v.dtype) @ v
 
@@ -153,6 +164,12 @@ class GPT:
     Tensor.realize(loss, *[t for t in rec.values() if t is not None])
     return loss, rec
 
+  @staticmethod
+  def stream(rec:dict[str, Tensor]) -> dict[str, Tensor]:
+    """The part of a capture that a rerun from a block reads (`get` below): the embedding and the stream around each block's mix;
+    x.0 is x0 itself, left out so that every entry is its own buffer (a JIT takes these as inputs)."""
+    return {n: t for n, t in rec.items() if n == "x0" or n.startswith(("x.", "h.", "o@")) and n != "x.0"}
+
   def _forward(self, idx:Tensor, targets:Tensor, p:Pass, cache:dict|None) -> Tensor:
     start, skip_attn = self.entry(p.jitter) if cache is not None else (0, False)
     if cache is None or start == -1:
@@ -162,7 +179,7 @@ class GPT:
       reps = idx.shape[0] // cache["x0"].shape[0]
       def get(k:str) -> Tensor: return cache[k].repeat((reps,) + (1,) * (cache[k].ndim - 1))
       x0 = get("x0")
-      x = get(f"x.{start}")
+      x = x0 if start == 0 else get(f"x.{start}")
     if p.rec is not None: p.rec["x0"] = x0
     for i in range(start, self.n_blocks):
       p.depth = i
@@ -212,7 +229,8 @@ class GPT:
     p.depth = None
     z = p.linear("lm_head", rms(x).cast(self.dtype)).float().contiguous()
     c = self.cfg.softcap * (z / self.cfg.softcap).tanh()
-    return c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # contiguous: a consumer that sums the losses would otherwise fuse the vocab reductions into its own (8.5 s, not 1 ms, on the H200)
+    return (c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).contiguous()
 
 class Looped(GPT):
   """One weight-tied block applied `loops` times: recurrence in depth. The embedding x0 re-enters at every loop through the
@@ -233,9 +251,24 @@ class Looped(GPT):
   def site_key(self, key:Tensor, i:int|None) -> Tensor: return key if i is None else fold(key, i)
   def entry(self, jitter:dict) -> tuple[int, bool]: return -1, False  # every loop is jittered: rerun from the embedding
 
+  def block(self, p:Pass, i:int, x:Tensor, x0:Tensor, idx:Tensor, resume:tuple[Tensor, Tensor]|None=None) -> Tensor:
+    """A pass that nothing differentiates (perturbed weights or jittered sites: the ZO estimators) is realized loop by loop. Run
+    eagerly (a TinyJit's first call, too), one tinygrad schedule keeps every `.contiguous()` buffer it writes until it ends, so a
+    lazy pass would hold every loop's activations; per loop, each loop's are freed before the next. Autograd needs the whole graph."""
+    x = super().block(p, i, x, x0, idx, resume)
+    return x.realize() if p.jitter or p.params is not self.params else x
+
   def losses(self, idx:Tensor, targets:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None,
              loops:int|None=None) -> Tensor:
     """As GPT.losses, with the loop count settable per call (train at one depth, evaluate at another)."""
     saved, self.loops = self.loops, loops or self.loops
     try: return super().losses(idx, targets, jitter, cache, params)
     finally: self.loops = saved
+
+_jits:dict[tuple, TinyJit] = {}
+def jitted(fn, model:GPT, *shape, **static) -> TinyJit:
+  """One TinyJit per (function, model, input shape, knobs), kept for the process: Python values are frozen into a captured JIT, so
+  they key the cache; the model's id does too, and the JIT's closure keeps the model alive, so an id is never reused."""
+  k = (fn.__name__, id(model), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+  if k not in _jits: _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
+  return _jits[k]

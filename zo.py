@@ -11,10 +11,12 @@ import argparse, json, math, os, signal, sys, time
 from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
-from tinygrad import Context, Tensor, TinyJit, dtypes, nn
+from tinygrad import Context, Tensor, dtypes, nn
 from tinygrad.nn.state import safe_load, safe_load_metadata, safe_save
 from kernels.noise import fold, gaussian, key as root_key
 from kernels.perturb import Population, combine
+from model import jitted
+from devices import names, spread
 import dust
 
 METHODS = ("mezo", "es", "dust", "backprop")
@@ -32,13 +34,6 @@ class Compact:
 
 # ***** the estimators: (model, x, y, pop, key) -> (estimate, mean clean-ish loss) *****
 
-_jits:dict[tuple, TinyJit] = {}
-def jitted(fn, model, *shape, **static) -> TinyJit:
-  """One TinyJit per (function, model, input shape, knobs): Python floats are frozen into a captured JIT, so they key the cache."""
-  k = (fn.__name__, id(model), shape, tuple(sorted(static.items())))
-  if k not in _jits: _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
-  return _jits[k]
-
 def spsa_pair(model, x:Tensor, y:Tensor, key:Tensor, j:Tensor, eps:float) -> Tensor:
   """L(θ + εz), L(θ - εz) for direction j (a uint32 tensor: a new j is a new input, not a new kernel). Each perturbed weight is
   materialized per layer: Gaussian noise fused into a matmul operand would be recomputed for every output row (TINYGRAD.md §1).
@@ -50,10 +45,13 @@ def spsa_pair(model, x:Tensor, y:Tensor, key:Tensor, j:Tensor, eps:float) -> Ten
   lp = loss(1.0).realize()  # realized apart, so the memory planner can give the second forward the first one's buffers
   return Tensor.stack(lp, loss(-1.0)).realize()
 
-def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3) -> tuple[Compact, Tensor]:
+def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
+  """Direction j is keyed by j alone: spread over several devices, the directions, and so the estimate, are those of one device."""
   keys = fold(key, Tensor.arange(pop)).contiguous().realize()
-  step = jitted(spsa_pair, model, x.shape, eps=eps)
-  l = Tensor.stack(*[step(x, y, key, Tensor([j], dtype=dtypes.uint32)).clone().realize() for j in range(pop)])  # [K, 2]
+  def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:
+    step = jitted(spsa_pair, m, x.shape, eps=eps)
+    return Tensor.stack(*[step(x, y, k, Tensor([j], dtype=dtypes.uint32, device=k.device)).clone().realize() for j in js])
+  l = spread(model, devices, pop, run, x, y, key)  # [K, 2]
   return Compact(keys, (l[:, 0] - l[:, 1]) / (2 * eps * pop)), l.mean()
 
 def shape_fitness(f:Tensor, shaping:str) -> Tensor:
@@ -69,12 +67,17 @@ def es_losses(model, x:Tensor, y:Tensor, keys:Tensor, sigma:float, rank:int) -> 
   pop = 2 * keys.shape[0]
   return model.losses(x.repeat(pop, 1), y.repeat(pop, 1), params=params).reshape(pop, -1).mean(1).realize()
 
-def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0) -> tuple[Compact, Tensor]:
+def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0,
+       devices:int=1) -> tuple[Compact, Tensor]:
   """g = -1/(pop σ) sum_m f̃_m s_m E_m with fitness f = -L: pair j contributes (f̃_2j - f̃_2j+1) E_j. Unshaped, this is the
-  antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss."""
+  antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss. Over several devices each
+  evaluates its share of the pairs; the fitness is shaped over the whole population, on the model's device."""
   if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
   keys = fold(key, Tensor.arange(pop // 2)).contiguous().realize()
-  l = jitted(es_losses, model, x.shape, keys.shape, sigma=sigma, rank=rank)(x, y, keys).clone().realize()
+  def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:  # the losses of pairs js, keyed on the device itself
+    ks = fold(k, Tensor.arange(js.start, js.stop)).contiguous().realize()
+    return jitted(es_losses, m, x.shape, ks.shape, sigma=sigma, rank=rank)(x, y, ks).clone().realize()
+  l = spread(model, devices, pop // 2, run, x, y, key).realize()
   f = shape_fitness(-l, shaping).reshape(-1, 2)
   return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
 
@@ -194,8 +197,9 @@ def make_model(args):
   return model
 
 def method_opts(args) -> dict:
-  return {"mezo": {"eps": args.eps}, "es": {"sigma": args.sigma, "shaping": args.shaping, "rank": args.rank},
-          "dust": {"optimizer": args.optim}, "backprop": {}}[args.method]
+  return {"mezo": {"eps": args.eps, "devices": args.devices}, "es": {"sigma": args.sigma, "shaping": args.shaping, "rank": args.rank,
+          "devices": args.devices},
+          "dust": {"optimizer": args.optim, "devices": args.devices}, "backprop": {}}[args.method]
 
 def train(args):
   from data import load
@@ -318,7 +322,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
   p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit")
-  p.add_argument("--devices", type=int, default=1, help="devices to spread the population over (1 for now)")
+  p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
   for flag in ("pop", "batch", "eval_every", "ckpt_every", "replay"):
@@ -332,12 +336,27 @@ def default_device() -> str:
   except Exception: raise UsageError("tinygrad found no usable device: install clang for the CPU backend (apt-get install clang), "
                                      "or run on a GPU with DEV=CUDA / DEV=AMD / DEV=METAL") from None
 
+def check_devices(args:argparse.Namespace):
+  """--devices N: N devices of the default backend (DEV, DEV:1, ...), each with at least one direction (mezo) or pair (es); Dust
+  splits each group's chunks, and a device whose share of a small group is empty sits that group out."""
+  from tinygrad import Device
+  n = args.devices
+  if n == 1: return
+  if n < 1: raise UsageError(f"--devices must be at least 1, got {n}")
+  if args.method == "backprop": raise UsageError(f"--devices {n}: backprop runs on one device")
+  if args.method != "dust" and n > (draws := min(args.pops) // (2 if args.method == "es" else 1)):
+    unit = "antithetic pair" if args.method == "es" else "direction"
+    raise UsageError(f"--devices {n}: every device needs at least one {unit}, and --pop {min(args.pops)} has {draws}")
+  for d in names(Device.DEFAULT, n):
+    try: Device[d]
+    except Exception as e: raise UsageError(f"--devices {n}: {d} does not open ({type(e).__name__}: {e})") from None
+
 def main(argv:list[str]|None=None):
   from data import DataError
   args = parse(argv)
   try:
     args.model = args.model or ("tiny" if default_device() == "CPU" else "small")
-    if args.devices != 1: raise UsageError("--devices: only one device is supported so far")
+    check_devices(args)
     cosine_table(args) if args.cosine else train(args)
   except (UsageError, DataError, ValueError) as e:
     print(f"zo: error: {e}", file=sys.stderr)

@@ -2,7 +2,9 @@
 """The benchmark: speed and memory measured side by side in one run, printed as one table.
 
   DEV=CUDA python tests/bench.py            the dust preset, 8x2048 tokens (the GPU numbers of GPU.md)
-  DEV=CPU  python tests/bench.py --quick    the tiny model in seconds (a test runs this, so the harness never rots)
+  DEV=CPU  python tests/bench.py --quick    the tiny model, both tables (tests/test_bench.py runs this, so the harness never
+                                            rots); minutes on 2 CPU cores, nearly all of it compiling kernels
+  DEV=CUDA python tests/bench.py --loops 4 16 64 256   only the looped model's table: every estimator at each loop count
 
 Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
 allocated before it (the parameters, the batch): what the step itself needs.
@@ -24,17 +26,20 @@ def _tracked(self, *a, **kw):
   return r
 Buffer.allocate = _tracked
 
-def measure(fn, n:int=3, warm:int=2) -> tuple[float, float]:
-  """(seconds per call after warm-up calls, peak extra bytes of one call). The memory is read from an eager call (JIT=0):
-  a replayed TinyJit allocates nothing, its buffers were planned at capture."""
+def measure(fn, n:int=3, warm:int=2, eager_memory:bool=True) -> tuple[float, float]:
+  """(seconds per call after warm-up calls, peak extra bytes of one call). A replayed TinyJit allocates nothing (its buffers were
+  planned at capture and stay), so the memory is read from an eager call (JIT=0); or, with eager_memory=False, from the timed
+  calls themselves, for Dust, whose JITs free their scratch after each group and allocate it again at every replay."""
   for _ in range(warm): fn()
   Device[Device.DEFAULT].synchronize()
+  base = PEAK[0] = GlobalCounters.mem_used
   st = time.perf_counter()
   for _ in range(n): fn()
   Device[Device.DEFAULT].synchronize()
   t = (time.perf_counter() - st) / n
-  base = PEAK[0] = GlobalCounters.mem_used
-  with Context(JIT=0): fn()
+  if eager_memory:
+    base = PEAK[0] = GlobalCounters.mem_used
+    with Context(JIT=0): fn()
   return t, PEAK[0] - base
 
 def direct_sites(model) -> list[str]:  # every site that Dust's direct draws jitter: writers, hidden, hubs, the embedding
@@ -60,17 +65,33 @@ def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int) -> tuple[float, f
     g, loss = zo.run_estimator(model, x, y, method, pop, step[0])
     opt.step(g)
     loss.realize()
-  return measure(run, n=1, warm=1) if method == "dust" else measure(run)
+  return measure(run, n=1, warm=2, eager_memory=False) if method == "dust" else measure(run)
+
+def looped_table(depths:list[int], quick:bool, dust_pop:int):
+  """One row per loop count, each estimator's step time and peak memory above the parameters and the batch, side by side: MeZO's
+  and ES's peaks stay flat in the depth (one loop's activations at a time), backprop's grows linearly, and so does Dust's, which
+  caches every loop's clean activations."""
+  preset, B = ("tiny", 2) if quick else ("small", 8)
+  pops = {"mezo": 1, "es": 4, "dust": dust_pop, "backprop": 1}
+  rng = np.random.default_rng(0)
+  print(f"looped model ({preset}), batch {B}x{LoopedConfig.preset(preset).seq_len}: seconds per step, peak MiB", flush=True)
+  print(f"{'loops':>6}" + "".join(f"{f'{m} pop {p}':>24}" for m, p in pops.items()), flush=True)
+  for loops in depths:
+    model = Looped(LoopedConfig.preset(preset, loops=loops), dtype=zo.compute_dtype())
+    x, y = (Tensor(rng.integers(0, model.cfg.vocab, (B, model.cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
+    cells = [step_bench(model, x, y, m, p) for m, p in pops.items()]
+    print(f"{loops:>6}" + "".join(f"{t:>10.3f} s {m / 2**20:>8.1f} MiB" for t, m in cells), flush=True)
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true", help="the tiny model, CPU-sized")
   p.add_argument("--pops", type=int, nargs="+", default=None, help="dust populations to time")
-  p.add_argument("--loops", type=int, nargs="+", default=None, help="looped model depths for the memory table")
+  p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
   args = p.parse_args()
+  pops = args.pops or ([64] if args.quick else [256, 1024])
+  if args.loops: return looped_table(args.loops, args.quick, pops[0])
   cfg = GPTConfig.preset("tiny", seq_len=32, vocab=64) if args.quick else GPTConfig.preset("dust")
   B, T = (2, 32) if args.quick else (8, 2048)
-  pops = args.pops or ([64] if args.quick else [256, 1024])
   model = GPT(cfg, dtype=zo.compute_dtype())
   rng = np.random.default_rng(0)
   x, y = (Tensor(rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2))
@@ -83,11 +104,6 @@ def main():
     t, m = step_bench(model, x, y, method, pop)
     peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident
     print(f"{method + ' pop ' + str(pop) + ' step':24s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
-  for loops in args.loops or ([2, 8] if args.quick else []):
-    lm = Looped(LoopedConfig.preset("tiny" if args.quick else "small", loops=loops), dtype=zo.compute_dtype())
-    lx, ly = (Tensor(rng.integers(0, lm.cfg.vocab, (B, lm.cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
-    for method, pop in (("mezo", 1), ("es", 4), ("backprop", 1)):
-      t, m = step_bench(lm, lx, ly, method, pop)
-      print(f"looped {loops:4d} loops {method:9s} {t:9.3f} s  peak {m / 2**20:9.1f} MiB above the parameters", flush=True)
+  if args.quick: looped_table([2, 8], True, pops[0])
 
 if __name__ == "__main__": main()

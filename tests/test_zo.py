@@ -1,10 +1,11 @@
-"""Tests of zo.py: no autograd in the ZO paths, the SPSA cosine law, EGGROLL's batched forward and dense form against explicit
-perturbed matrices, replayed momentum against a stored buffer, resume, training against a sign-flipped estimator, and the CLI.
+"""Tests of zo.py: no autograd in the ZO paths, the SPSA cosine law (on the looped model too), EGGROLL's batched forward and dense
+form against explicit perturbed matrices, replayed momentum against a stored buffer, resume, training against a sign-flipped
+estimator, the CLI, and the looped model's ZO memory against its loop count.
 
 Cost: tinygrad on a 2-core CPU spends seconds compiling each new kernel structure, so the in-process tests share one 1-block model
 (6,178 parameters) and one batch, and the CLI runs (fresh processes that compile everything again) start in the background when the
 module starts, so that they use the core that the in-process tests leave idle."""
-import json, math, os, re, subprocess, sys
+import itertools, json, math, os, re, subprocess, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
@@ -13,7 +14,7 @@ from tinygrad import Context, Tensor
 from tinygrad.nn.state import safe_load
 from kernels.noise import fold, gaussian
 from kernels.perturb import Population
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, Looped, LoopedConfig
 import data
 import zo
 
@@ -38,7 +39,7 @@ def cli(*args, **flags) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module", autouse=True)
 def background(request, tmp_path_factory):
   """The CLI runs that the selected tests need, started now: a 10-step run, and a 5-step run then resumed to 10 steps; the --cosine
-  table. They run while the in-process tests compile."""
+  table; the looped model's memory probes. They run while the in-process tests compile."""
   wanted = {getattr(item, "originalname", item.name) for item in request.session.items}
   out = tmp_path_factory.mktemp("runs")
   with ThreadPoolExecutor(2) as pool:
@@ -48,12 +49,23 @@ def background(request, tmp_path_factory):
       jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
     if "test_cli_cosine_table" in wanted:
       jobs["cosine"] = pool.submit(cli, "--cosine", "--pop", 4, 16, method="mezo", model="tiny", vocab=64, seq=T, batch=B)
+    if "test_looped_zo_memory_flat" in wanted:
+      for method, loops in itertools.product(("mezo", "es"), (4, 32)): jobs[method, loops] = pool.submit(memory_probe, method, loops)
     yield out, jobs
 
 @pytest.fixture(scope="module")
 def setup():
   """The model, one batch, and the autograd gradient of the mean token loss as float64 arrays."""
   model = GPT(CFG, seed=0)
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, CFG.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
+  true = {n: g.numpy().astype(np.float64) for n, g in zo.estimate(model, x, y, "backprop", 1, 0).items()}
+  return model, x, y, true
+
+@pytest.fixture(scope="module")
+def looped():
+  """As `setup`, for a 4-loop looped model of the same width (5,122 parameters)."""
+  model = Looped(LoopedConfig(vocab=CFG.vocab, seq_len=T, n_head=2, n_embd=16, loops=4), seed=0)
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, CFG.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
   true = {n: g.numpy().astype(np.float64) for n, g in zo.estimate(model, x, y, "backprop", 1, 0).items()}
@@ -93,12 +105,15 @@ def test_no_autograd_in_zo_paths(setup, monkeypatch):
 # 3 * 0.35/sqrt(n) <= 0.30 - 0.06 needs n >= 20 keys at K=4; n = 2 and 1 do at K=64 and 512.
 # Also unbiased: g_hat.g/|g|^2 = mean over the K directions of chi2_1, so pooled over the 24*4 + 2*64 + 512 = 736 directions it is
 # 1 +- sqrt(2/736) = 1 +- 0.05: within 0.2 is 4 sigma (a wrong scale, e.g. a missing 1/(2 eps) or 1/K, fails it; the cosine can't see it).
+# None of this depends on D or the architecture, so it holds for the looped model too (every loop reads the tied weight plus the same
+# perturbation); the bands of K = 4, 64, 512 don't overlap there (D = 5,122: law 0.028, 0.111, 0.302), so the cosine rises with K.
 KEYS = {4: 24, 64: 2, 512: 1}
 
-@pytest.mark.parametrize("method", ["mezo", "es"])
-def test_spsa_law(setup, method:str):
-  # an estimator with a wrong direction/coefficient pairing, too few or correlated directions, or a wrong scale breaks this
-  model, x, y, true = setup
+@pytest.mark.parametrize("method, net", [("mezo", "setup"), ("es", "setup"), ("es", "looped")])
+def test_spsa_law(method:str, net:str, request):
+  # an estimator with a wrong direction/coefficient pairing, too few or correlated directions, or a wrong scale breaks this (es on the
+  # looped model too: the cosine must rise with the population as on a plain model)
+  model, x, y, true = request.getfixturevalue(net)
   names, gv = list(model.params), flat(true, model.params)
   D = gv.size
   rows, proj, dirs = {}, 0.0, 0
@@ -110,7 +125,8 @@ def test_spsa_law(setup, method:str):
       cos.append(g @ gv / (np.linalg.norm(g) * np.linalg.norm(gv)))
       proj, dirs = proj + K * (g @ gv) / (gv @ gv), dirs + K
     rows[K] = (float(np.mean(cos)), math.sqrt(K / (K + D)))
-  msg = f"{method}, D={D}: " + ", ".join(f"K={K}: cos {c:.4f} law {law:.4f}" for K, (c, law) in rows.items()) + f"; g_hat.g/|g|^2 {proj / dirs:.3f}"
+  msg = f"{method} on {net}, D={D}: " + ", ".join(f"K={K}: cos {c:.4f} law {law:.4f}" for K, (c, law) in rows.items()) + \
+        f"; g_hat.g/|g|^2 {proj / dirs:.3f}"
   assert all(abs(c / law - 1) < 0.3 for c, law in rows.values()), msg
   assert abs(proj / dirs - 1) < 0.2, msg
 
@@ -281,3 +297,43 @@ def test_cli_cosine_table(background):
   assert [row[0] for row in rows] == ["4", "16"], lines
   vals = np.array([[float(v) for v in row[1:]] for row in rows])
   assert vals.shape == (2, len(TYPES)) and (np.abs(vals) <= 1).all() and not np.array_equal(vals[0], vals[1]), lines
+
+# ***** 8. the looped model's memory *****
+
+def looped_memory(method:str, loops:int) -> dict[str, int]:
+  """Bytes that tinygrad allocates (GlobalCounters.mem_used) for the tiny looped model at `loops` loops, above its parameters and an
+  8x16 batch: `kept` after two clean forwards, and the `peak` during three `method` steps (each TinyJit's eager first call, its
+  capture and its replays), above what was allocated before them."""
+  from tinygrad import GlobalCounters
+  from tinygrad.device import Buffer
+  peak, allocate = [0], Buffer.allocate
+  def tracked(self, *a, **kw):
+    ret = allocate(self, *a, **kw)
+    peak[0] = max(peak[0], GlobalCounters.mem_used)
+    return ret
+  Buffer.allocate = tracked
+  model = Looped(LoopedConfig.preset("tiny", loops=loops, vocab=CFG.vocab, seq_len=T), seed=0)
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, CFG.vocab, (8, T)).astype(np.int32)).realize() for _ in range(2)]
+  base = GlobalCounters.mem_used
+  for _ in range(2): model.losses(x, y).mean().item()
+  start = peak[0] = GlobalCounters.mem_used
+  for step in range(3): zo.run_estimator(model, x, y, method, 4, step)[0].coef.realize()
+  return {"kept": start - base, "peak": peak[0] - start}
+
+def memory_probe(method:str, loops:int) -> subprocess.CompletedProcess:
+  """looped_memory in a fresh process: what tinygrad caches is per process, and a leak shows in the first passes of one."""
+  code = f"import json; from tests.test_zo import looped_memory; print(json.dumps(looped_memory({method!r}, {loops})))"
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+@pytest.mark.parametrize("method", ["mezo", "es"])
+def test_looped_zo_memory_flat(background, method:str):
+  # A ZO step holds one loop's activations at a time, so its peak is the same at 4 and 32 loops (238,120 bytes for mezo, 476,200 for
+  # es, measured); 1.2x leaves room for a constant-size change. A step that keeps every loop's activations grows toward 8x: a lazy
+  # forward run eagerly (tinygrad holds every .contiguous() buffer of one schedule until it ends) took the mezo step's peak from 0.54 MB
+  # to 2.8 MB. A clean forward keeps nothing: tinygrad 0.14 leaked the buffers whose numbers met a cached schedule's placeholders,
+  # 1.1 MB after two forwards at 32 loops (model.py).
+  runs = {loops: background[1][method, loops].result() for loops in (4, 32)}
+  for r in runs.values(): assert r.returncode == 0, r.stderr[-2000:]
+  m = {loops: json.loads(r.stdout.splitlines()[-1]) for loops, r in runs.items()}
+  assert m[32]["peak"] <= 1.2 * m[4]["peak"] and m[4]["kept"] == m[32]["kept"] == 0, f"{method}: {m}"
