@@ -55,6 +55,14 @@ def forward_bench(model, x:Tensor, y:Tensor) -> dict[str, float]:
   tj, _ = measure(lambda: jittered(x, y, k))
   return {"clean fwd tok/s": x.numel() / tc, "jittered fwd tok/s": x.numel() / tj, "ratio": tc / tj, "clean fwd MiB": mc / 2**20}
 
+def torch_reference(model, x:Tensor, y:Tensor):
+  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column."""
+  try: import torch_ref
+  except ImportError: return print("torch.compile fwd: torch is not importable here", flush=True)
+  tok_s, loss = torch_ref.forward_tok_s(model, x.numpy(), y.numpy())
+  ours = model.losses(x, y).mean().item()
+  print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
+
 def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int) -> tuple[float, float]:
   """One estimate + its SGD update, as the training loop runs it."""
   lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
@@ -98,6 +106,7 @@ def main():
   print(f"device {Device.DEFAULT}, {model.num_params():,} params, {model.dtype}, batch {B}x{T}", flush=True)
   f = forward_bench(model, x, y)
   print(" | ".join(f"{k} {v:,.3f}" for k, v in f.items()), flush=True)
+  torch_reference(model, x, y)
   resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
   print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
   for method, pop in [("backprop", 1), ("mezo", 1), *[("dust", p) for p in pops]]:
