@@ -227,7 +227,8 @@ def train(args):
   json.dump(config, open(cfg_path, "w"), indent=1)
   for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp"):  # --force: nothing of the old run stays
     if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
-  print(f"{args.method} pop {args.pop} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
+  what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
+  print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   stop = []
   signal.signal(signal.SIGINT, lambda *_: stop.append(True))
