@@ -22,7 +22,7 @@ from tinygrad.device import Buffer
 from tinygrad.uop.ops import buffers
 from kernels.noise import key as root_key, fold, gaussian
 from devices import inputs, replicas, shares
-from model import GPTConfig, attention, jitted, rms, rope
+from model import GPTConfig, jitted, probs, rms, rope
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -215,8 +215,11 @@ def error_site(kind:str, l:int) -> str: return f"value_embeds.{l}" if kind == "v
 def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
 class CleanAttention:
-  """The clean attention at depth i, fp32, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, output
-  o [B, H, T, hd] (and the gate's logits z, the value embedding e). A draw recomputes only this attention, never the network.
+  """The clean attention at depth i, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, its
+  probabilities p [B, H, T, T], output o = p u [B, H, T, hd] (and the gate's logits z, the value embedding e). A draw recomputes only
+  this attention, never the network: all of it for q and k (in float32: o' - o is a small difference, and on the H200 these
+  chunks measured ~1.8x faster than in half), and for v, gate and ve, which move only u, just p du, with p kept in the model's dtype
+  (tensor cores in half; the product is off by ~2^-11 relative, as no difference is taken).
   Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can take them as inputs."""
   def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
 
@@ -229,7 +232,8 @@ class CleanAttention:
     if model.has_ve(i): t["z"], t["e"] = get("gate").float().transpose(1, 2), att.heads(get("ve")).transpose(1, 2)
     t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if model.has_ve(i) else u
     t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
-    t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
+    p = probs(t["qh"], t["kh"], att.window, dtypes.float32)
+    t["o"], t["p"] = p @ t["u"], p.cast(model.dtype)
     Tensor.realize(*t.values())
     return att
 
@@ -239,13 +243,22 @@ class CleanAttention:
 
   def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
+    # q, k: a draw at a time, each realized, so that the scheduler can't order all draws' scores first (inside a JIT too: the
+    # memory plan then reuses one draw's T x T buffers for the next)
+    if kind in ("q", "k"): return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])
     t = {name: tile(v, n) for name, v in self.t.items()}
-    if kind == "q": return attention(self.hat(t["q"] + sigma * a), t["kh"], t["u"], self.window) - t["o"]
-    if kind == "k": return attention(t["qh"], self.hat(t["k"] + sigma * a), t["u"], self.window) - t["o"]
     a = a.transpose(1, 2)
     du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(t["z"]).unsqueeze(-1),  # exact by linearity in u
           "gate": lambda: (gate(t["z"] + sigma * a) - gate(t["z"] - sigma * a)).unsqueeze(-1) * t["e"]}[kind]()
-    return attention(t["qh"], t["kh"], du, self.window)
+    # the clean probabilities, reused by every draw; du materialized, so its noise is made once and not in the matmul's loop
+    return t["p"].matmul(du.cast(t["p"].dtype).contiguous(), dtype=dtypes.float32)
+
+  def rerun(self, kind:str, a:Tensor, sigma:float) -> Tensor:
+    """o' - o for one draw of q or k: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of T x T
+    scores (at pop 1024 on the dust preset, 8.6 GB in float32: the peak of the whole update)."""
+    t = self.t
+    qh, kh = (self.hat(t["q"] + sigma * a), t["kh"]) if kind == "q" else (t["qh"], self.hat(t["k"] + sigma * a))
+    return probs(qh, kh, self.window, dtypes.float32) @ t["u"] - t["o"]
 
 def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""
@@ -307,7 +320,8 @@ class Worker:
   def __init__(self, model, x:Tensor, y:Tensor):
     self.model, self.x, self.y = model, x, y
     self.loss, self.rec = model.capture(x, y)
-    self.attn:list[CleanAttention] = []
+    self.attn:CleanAttention|None = None  # the depth that the local draws are at
+    self.targets:dict[int, Tensor] = {}   # the hub errors, the local draws' targets, on this device
 
 def across(work:list[Worker], keys:np.ndarray, run:Callable[[Worker, np.ndarray], Any], unit:int=1) -> Any:
   """run(worker, its share of the chunk keys) on every device that gets a share; each result is a mean over its share, so their mean
@@ -351,14 +365,15 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
   for l in range(L): targets |= {d: t for (_, d), t in group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).items()}
   err["lm_head", None] = across(work, table[:rc.head // nrep, 0, GROUPS.index("head")],
                                 lambda w, ks: head_error(w.model, w.rec, w.y, sigma["head"], ks, nrep), unit=slabs(model))
-  for w in work: w.attn = [CleanAttention.capture(w.model, w.rec, i) for i in range(model.n_blocks)]
   def local(kind:str, i:int, draws:int) -> Tensor:
-    return across(work, keys(kind, i, draws), lambda w, ks: local_error(w.attn[i], kind, targets[i].to(w.x.device), sigma["local"],
-                                                                         rc.gamma, ks, nrep))
-  for kind in KINDS:
-    for i in range(model.n_blocks):  # every depth: each loop of the looped model against its own target
+    return across(work, keys(kind, i, draws), lambda w, ks: local_error(w.attn, kind, w.targets[i], sigma["local"], rc.gamma, ks, nrep))
+  # copied to every device before any local work is queued: a copy out of a device waits for all the work queued on it
+  for w in work: w.targets = {i: t.to(w.x.device).realize() for i, t in targets.items()}
+  for i in targets:  # depth by depth, each loop of the looped model against its own target: one depth's T x T probabilities at a time
+    for w in work: w.attn = CleanAttention.capture(w.model, w.rec, i)
+    for kind in KINDS:
       l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
-      if draws and i in targets and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
+      if draws and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
         err[error_site(kind, l), i] = local(kind, i, draws)
   grads:dict[str, Tensor] = {}
   for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them

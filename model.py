@@ -64,18 +64,21 @@ def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate
   a, b = x.chunk(2, dim=-1)
   return (a * cos + b * sin).cat(b * cos - a * sin, dim=-1)
 
-def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
-  """Causal attention where query s sees keys t with 0 <= s - t <= window. q, k, v: [B, H, T, hd].
+def probs(q:Tensor, k:Tensor, window:int, dtype:DType) -> Tensor:
+  """The attention probabilities [B, H, T, T] (float32), where query s sees keys t with 0 <= s - t <= window. q, k: [B, H, T, hd].
   Scores and softmax in float32 whatever the model dtype, as flash attention does (tinygrad's sdpa would use q's dtype):
-  q k^T takes its inputs in v's dtype (tensor cores in half) and accumulates and returns float32."""
+  q k^T takes its inputs in `dtype` (tensor cores in half) and accumulates and returns float32."""
   T = q.shape[2]
   lag = Tensor.arange(T).reshape(T, 1) - Tensor.arange(T).reshape(1, T)
-  # materialized heads-first in v's dtype: a matmul that reads its operands through RoPE, the norm and the transposes recomputes
-  # them for every output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
-  q, k, v = [t.cast(v.dtype).contiguous() for t in (q, k, v)]
+  # materialized heads-first: a matmul that reads its operands through RoPE, the norm and the transposes recomputes them for every
+  # output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
+  q, k = [t.cast(dtype).contiguous() for t in (q, k)]
   scores = q.matmul(k.transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
-  scores = ((lag >= 0) & (lag <= window)).where(scores, -math.inf)
-  return scores.softmax(-1).cast(v.dtype) @ v
+  return ((lag >= 0) & (lag <= window)).where(scores, -math.inf).softmax(-1)
+
+def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
+  """Causal windowed attention, q, k, v: [B, H, T, hd] -> [B, H, T, hd] in v's dtype."""
+  return probs(q, k, window, v.dtype).cast(v.dtype) @ v.contiguous()
 
 def init_params(shapes:dict[str, tuple[tuple[int, ...], str, float]], seed:int) -> dict[str, Tensor]:
   """shapes: name -> (shape, kind, scale). Drawn with NumPy so the same seed gives the same weights on every backend."""

@@ -5,6 +5,7 @@
   DEV=CPU  python tests/bench.py --quick    the tiny model, both tables (tests/test_bench.py runs this, so the harness never
                                             rots); minutes on 2 CPU cores, nearly all of it compiling kernels
   DEV=CUDA python tests/bench.py --loops 4 16 64 256   only the looped model's table: every estimator at each loop count
+  DEV=CUDA python tests/bench.py --pops 1024 --devices 1 2    a Dust update on one GPU and spread over two
 
 Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
 allocated before it (the parameters, the batch): what the step itself needs.
@@ -63,14 +64,14 @@ def torch_reference(model, x:Tensor, y:Tensor):
   ours = model.losses(x, y).mean().item()
   print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
 
-def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int) -> tuple[float, float]:
-  """One estimate + its SGD update, as the training loop runs it."""
+def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1) -> tuple[float, float]:
+  """One estimate + its SGD update, as the training loop runs it (the population spread over `devices`, for mezo/es/dust)."""
   lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
   opt = zo.Optimizer(model.params, lrs, "sgd", mom, 8)
   step = [0]
   def run():
     step[0] += 1
-    g, loss = zo.run_estimator(model, x, y, method, pop, step[0])
+    g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **({"devices": devices} if devices > 1 else {}))
     opt.step(g)
     loss.realize()
   return measure(run, n=1, warm=2, eager_memory=False) if method == "dust" else measure(run)
@@ -95,6 +96,7 @@ def main():
   p.add_argument("--quick", action="store_true", help="the tiny model, CPU-sized")
   p.add_argument("--pops", type=int, nargs="+", default=None, help="dust populations to time")
   p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
+  p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust population on each of these device counts")
   args = p.parse_args()
   pops = args.pops or ([64] if args.quick else [256, 1024])
   if args.loops: return looped_table(args.loops, args.quick, pops[0])
@@ -109,10 +111,11 @@ def main():
   torch_reference(model, x, y)
   resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
   print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
-  for method, pop in [("backprop", 1), ("mezo", 1), *[("dust", p) for p in pops]]:
-    t, m = step_bench(model, x, y, method, pop)
-    peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident
-    print(f"{method + ' pop ' + str(pop) + ' step':24s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
+  for method, pop, n in [("backprop", 1, 1), ("mezo", 1, 1), *[("dust", p, n) for p in pops for n in args.devices]]:
+    t, m = step_bench(model, x, y, method, pop, n)
+    peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident  # on several devices: all of them together
+    name = f"{method} pop {pop} step" + (f" on {n} devices" if n > 1 else "")
+    print(f"{name:34s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
   if args.quick: looped_table([2, 8], True, pops[0])
 
 if __name__ == "__main__": main()

@@ -1,10 +1,10 @@
 """Tests of dust.py: the recipe tables and their rules, no autograd in the estimator, rerun-from-block = full rerun, the cosine to
 the autograd gradient rising with the population per layer type, and per-token node perturbation beating weight-space ES."""
-import math
+import copy, math
 import numpy as np
 import pytest
-from tinygrad import Tensor, Context
-from kernels.noise import gaussian
+from tinygrad import Tensor, Context, GlobalCounters, dtypes
+from kernels.noise import gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import dust
 
@@ -176,6 +176,40 @@ def test_head_slabs():
   for j in range(V // 256):
     assert cosine(est[..., 256 * j:256 * (j + 1)].ravel(), true[..., 256 * j:256 * (j + 1)].ravel()) > 0.6, f"slab {j}"
   assert 0.6 < (est * true).sum() / (true * true).sum() < 0.9
+
+@pytest.mark.parametrize("kind", ("v", "gate", "ve"))
+def test_local_delta_in_half(setup, kind:str):
+  """On a GPU the v, gate and ve draws read the clean probabilities p in half precision (float32 accumulation): they enter linearly,
+  Δo = p Δu, with no difference of nearby values taken, so rounding p and Δu to half (eps = 2^-11) moves Δo by ~eps relative.
+  Allow 2x. (q and k need a difference o' - o; they stay in float32, where the two models agree exactly.)"""
+  model, x, y, _ = setup
+  _, rec = model.capture(x, y)
+  half = copy.copy(model)
+  half.dtype = dtypes.half
+  sigma, eps, outs = 0.05, 2.0 ** -11, []
+  for m in (model, half):
+    att = dust.CleanAttention.capture(m, rec, 1)
+    a = gaussian(key(3), (2 * B, T, model.cfg.n_head) + (() if kind == "gate" else (model.cfg.n_embd // model.cfg.n_head,)))
+    outs.append(att.delta(kind, a, sigma, 2).numpy())
+  rel = np.linalg.norm(outs[1] - outs[0]) / np.linalg.norm(outs[0])
+  assert rel < 2 * eps, rel
+
+def test_local_draws_hold_one_score_matrix():
+  """A k chunk reruns the attention for each of its nrep draws. Draw by draw, its replay holds one draw's T x T scores and softmax
+  (2/nrep of the chunk's scores) besides tensors of size B T d; all draws at once hold at least every score of the chunk (1 MiB
+  here), which at pop 1024 on the dust preset was the whole update's peak (8.6 GB)."""
+  from tests.bench import PEAK
+  model = GPT(GPTConfig.preset("tiny"), seed=0)
+  B, T, nrep = 4, 64, 8
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, model.cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
+  att = dust.CleanAttention.capture(model, model.capture(x, y)[1], 1)
+  target, keys = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), dust.chunk_keys(1, 1, 3)[:, 0, 5]
+  dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()  # compiles and captures the chunk's JIT
+  base = PEAK[0] = GlobalCounters.mem_used
+  dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()
+  scores = nrep * B * model.cfg.n_head * T * T * 4
+  assert PEAK[0] - base < scores, (PEAK[0] - base, scores)
 
 # ***** per-token node perturbation vs weight-space ES on one linear layer *****
 
