@@ -251,7 +251,8 @@ def train(args):
                       draws_s=f"{args.pop / dt:,.0f}")
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
       if stop:
-        print(f"interrupted: checkpoint of step {step + 1} saved in {args.out}; continue with --resume", file=sys.stderr)
+        bar.update()  # the bar counts a step when the next one begins: show this one as done before leaving
+        print(f"interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with --resume", file=sys.stderr)
         sys.exit(130)
 
 def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged

@@ -279,6 +279,7 @@ def test_sigint(runs):
   res, ref = runs["sigint"].result(), runs["ref"].result()
   assert res["rc"] == 130 and "Traceback" not in res["stderr"], f"exit code {res['rc']}:\n{res['stderr'][-3000:]}"
   assert res["ckpt"] is not None and res["ckpt"][0] == res["lines"] >= 2, (res["ckpt"] and res["ckpt"][0], res["lines"])
+  assert f"interrupted after {res['lines']} steps" in res["stderr"], res["stderr"][-500:]  # the message names what the checkpoint holds
   assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
   assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
   assert losses(res["metrics"]) == losses(ref["metrics"])
