@@ -137,6 +137,27 @@ def test_es_population_change_on_one_model(setup):
     g, _ = zo.run_estimator(model, x, y, "es", pop, 1)
     assert g.keys.shape == (pop // 2, 2) and g.coef.shape == (pop // 2,)
 
+def test_backprop_jit_follows_the_weights(setup):
+  """backprop runs as a TinyJit that reads the weights as inputs: after an in-place update, and after a later call, each returned
+  gradient is still that of the weights it was computed at (a gradient left in the JIT's output buffers would be overwritten)."""
+  model, x, y, true = setup
+  saved = {n: p.numpy() for n, p in model.params.items()}
+  try:
+    grads = []
+    for scale in (1.0, 1.5, 2.0):  # the second call captures the JIT, the third replays it
+      for n, p in model.params.items(): p.assign(Tensor(saved[n] * scale)).realize()
+      grads.append(zo.estimate(model, x, y, "backprop", 1, 0))
+    for n in model.params: model.params[n].assign(Tensor(saved[n] * 1.5)).realize()
+    fresh = zo.estimate(GPT(CFG, seed=0), x, y, "backprop", 1, 0)  # a new model, a new JIT: scale 1, as in `true`
+    for n in true:
+      np.testing.assert_allclose(grads[0][n].numpy(), true[n], rtol=1e-4, atol=1e-7)
+      np.testing.assert_allclose(fresh[n].numpy(), true[n], rtol=1e-4, atol=1e-7)
+    assert not np.allclose(grads[1]["lm_head.weight"].numpy(), grads[2]["lm_head.weight"].numpy())  # other weights, other gradient
+    np.testing.assert_allclose(grads[1]["lm_head.weight"].numpy(), zo.estimate(model, x, y, "backprop", 1, 0)["lm_head.weight"].numpy(),
+                               rtol=1e-5, atol=1e-8)
+  finally:
+    for n, p in model.params.items(): p.assign(Tensor(saved[n])).realize()
+
 # ***** 3. EGGROLL *****
 
 def explicit_directions(keys:Tensor, shape:tuple[int, ...], rank:int) -> np.ndarray:
