@@ -81,17 +81,17 @@ def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping
   f = shape_fitness(-l, shaping).reshape(-1, 2)
   return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
 
-def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> dict[str, Tensor]:
+def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
   loss = model.losses(x, y, params=params).mean()
-  return {"": loss} | dict(zip(params, loss.gradient(*params.values())))
+  return loss, dict(zip(params, loss.gradient(*params.values())))
 
 def backprop(model, x:Tensor, y:Tensor) -> tuple[dict[str, Tensor], Tensor]:
   """The gradient by autograd, one TinyJit per batch shape as for the ZO passes (eager, every step would build and schedule the
   backward graph anew); copied out, since the next replay writes the same buffers."""
-  out = {n: t.clone() for n, t in jitted(backprop_pass, model, x.shape)(x, y, model.params).items()}
-  Tensor.realize(*out.values())  # now: a lazy copy would read the buffers after the next replay
-  loss = out.pop("")
-  return out, loss
+  loss, g = jitted(backprop_pass, model, x.shape)(x, y, model.params)
+  loss, g = loss.clone(), {n: t.clone() for n, t in g.items()}
+  Tensor.realize(loss, *g.values())  # now: a lazy copy would read the buffers after the next replay
+  return g, loss
 
 def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> tuple[Compact|dict[str, Tensor], Tensor]:
   k = root_key(key)
