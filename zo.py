@@ -241,8 +241,8 @@ def train(args):
   stop = []
   signal.signal(signal.SIGINT, lambda *_: stop.append(True))
   val, t0 = None, time.perf_counter()
-  with open(log_path, "a") as log, tqdm(range(start, steps), initial=start, total=steps, dynamic_ncols=True) as bar:
-    for step in bar:
+  with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True) as bar:
+    for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
       g, loss = run_estimator(model, x, y, args.method, args.pop, step_key(args.seed, step), **method_opts(args))
@@ -257,9 +257,9 @@ def train(args):
       log.write(json.dumps(rec) + "\n"); log.flush()
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-", tok_s=f"{args.batch * args.seq / dt:,.0f}",
                       draws_s=f"{args.pop / dt:,.0f}")
+      bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
       if stop:
-        bar.update()  # the bar counts a step when the next one begins: show this one as done before leaving
         print(f"interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with --resume", file=sys.stderr)
         sys.exit(130)
 
