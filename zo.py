@@ -209,8 +209,18 @@ def method_opts(args) -> dict:
           "devices": args.devices},
           "dust": {"optimizer": args.optim, "devices": args.devices}, "backprop": {}}[args.method]
 
+def check_checkpoints():
+  """safe_save writes through tinygrad's CPU device, which compiles its helper programs with clang (even under DEV=CUDA): without
+  it the first checkpoint would crash the run, so a missing compiler fails here, before any work is done or any file removed."""
+  from tinygrad import Device
+  try: Device["CPU"]
+  except Exception as e:
+    raise UsageError(f"checkpoints are written through tinygrad's CPU device, which does not open: {os.environ.get('CC', 'clang')} "
+                     f"failed ({type(e).__name__}); install clang, or unset CC if it names another compiler") from None
+
 def train(args):
   from data import load
+  check_checkpoints()
   model = make_model(args)
   if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed)

@@ -204,6 +204,18 @@ def test_resume_without_run(tmp_path:Path):
   msg = error_line(cli(*argv(tmp_path / "nothing", "--steps", 2, "--resume")))
   assert str(tmp_path / "nothing") in msg and re.search(r"no (checkpoint|run)|nothing to resume", msg), msg
 
+# protects: where tinygrad's CPU device can't compile (no clang; checkpoints are written through it even on a GPU), the run stops at
+# once with one line naming the compiler, and --force has removed nothing of the run already in --out
+def test_no_compiler_for_checkpoints(tmp_path:Path):
+  out = tmp_path / "out"
+  out.mkdir()
+  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (out / f).write_text("old")
+  env = {**ENV, "DEV": "PYTHON", "CC": "/bin/false", "CCACHE": "0"}  # a default device other than CPU, and a compiler that fails
+  r = subprocess.run(command(argv(out, "--steps", 2, "--force"), None), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  msg = error_line(r)
+  assert "CPU device" in msg and "/bin/false" in msg and "clang" in msg, msg
+  assert all((out / f).read_text() == "old" for f in ("config.json", "metrics.jsonl", "model.safetensors"))
+
 # ***** non-finite loss *****
 
 # protects: a NaN loss or estimate at step k stops the run (exit 2, one line naming step k) before the bad update, and the checkpoint
