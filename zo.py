@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse, json, math, os, signal, sys, time
 from dataclasses import dataclass
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from tqdm import tqdm
 from tinygrad import Context, Tensor, dtypes, nn
-from tinygrad.nn.state import safe_load, safe_load_metadata, safe_save
 from kernels.noise import fold, gaussian, key as root_key
 from kernels.perturb import Population, combine
 from model import jitted
@@ -171,21 +172,24 @@ class UsageError(Exception): pass  # a mistake the user can fix: one line, exit 
 def step_key(seed:int, step:int) -> int: return (seed << 32) | step  # the key words are (step, seed)
 
 def save(out:str, model, opt:Optimizer, step:int):
-  """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one intact."""
+  """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one intact.
+  Written from host copies by the safetensors package: tinygrad's safe_save goes through its CPU device, which compiles helper
+  programs with clang even under DEV=CUDA, so a GPU machine without clang lost the whole run at its first checkpoint."""
   path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
-  safe_save({**{f"param.{n}": p for n, p in model.params.items()}, **opt.state()}, tmp, metadata={"step": str(step)})
+  save_file({k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state()}.items()}, tmp,
+            metadata={"step": str(step)})
   with open(tmp, "rb+") as f: os.fsync(f.fileno())
   os.replace(tmp, path)
 
 def resume(out:str, model, opt:Optimizer) -> int:
   path = os.path.join(out, "model.safetensors")
   if not os.path.exists(path): raise UsageError(f"--resume: no checkpoint at {path}")
-  st = safe_load(path)
+  with safe_open(path, "np") as f: st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys()}, int(f.metadata()["step"])
   for n, p in model.params.items():
     if f"param.{n}" not in st or st[f"param.{n}"].shape != p.shape: raise UsageError(f"--resume: {path} holds another model ({n} differs)")
     p.assign(st[f"param.{n}"].to(p.device)).realize()
   opt.load(st)
-  return int(safe_load_metadata(path)[2]["__metadata__"]["step"])
+  return step
 
 def val_loss(model, data, args, batches:int=4) -> float:
   kw = {"loops": args.eval_loops} if args.model == "looped" and args.eval_loops else {}
@@ -209,18 +213,8 @@ def method_opts(args) -> dict:
           "devices": args.devices},
           "dust": {"optimizer": args.optim, "devices": args.devices}, "backprop": {}}[args.method]
 
-def check_checkpoints():
-  """safe_save writes through tinygrad's CPU device, which compiles its helper programs with clang (even under DEV=CUDA): without
-  it the first checkpoint would crash the run, so a missing compiler fails here, before any work is done or any file removed."""
-  from tinygrad import Device
-  try: Device["CPU"]
-  except Exception as e:
-    raise UsageError(f"checkpoints are written through tinygrad's CPU device, which does not open: {os.environ.get('CC', 'clang')} "
-                     f"failed ({type(e).__name__}); install clang, or unset CC if it names another compiler") from None
-
 def train(args):
   from data import load
-  check_checkpoints()
   model = make_model(args)
   if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed)
