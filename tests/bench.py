@@ -10,14 +10,14 @@
 Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
 allocated before it (the parameters, the batch): what the step itself needs.
 """
-import argparse, os, sys, time
+import argparse, contextlib, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import key
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import zo
+import dust, zo
 
 PEAK = [0]
 _allocate = Buffer.allocate
@@ -64,17 +64,36 @@ def torch_reference(model, x:Tensor, y:Tensor):
   ours = model.losses(x, y).mean().item()
   print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
 
-def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1) -> tuple[float, float]:
+class ByKind:
+  """Seconds of each kind of Dust chunk group in the last step: dust.accumulate timed between device syncs (one device only; the
+  syncs cost little, since a group holds many chunks). What the kinds leave out is the capture, the reassembly and the update."""
+  def __init__(self): self.times:dict[str, float] = {}
+  def __call__(self, chunk, *args, **static):
+    Device[Device.DEFAULT].synchronize()
+    st = time.perf_counter()
+    out = self.accumulate(chunk, *args, **static)
+    Device[Device.DEFAULT].synchronize()
+    kind = chunk.__name__.removesuffix("_chunk") + (f":{static['kind']}" if "kind" in static else "")
+    self.times[kind] = self.times.get(kind, 0.0) + time.perf_counter() - st
+    return out
+  def __enter__(self):
+    self.accumulate, dust.accumulate = dust.accumulate, self
+    return self
+  def __exit__(self, *exc): dust.accumulate = self.accumulate
+
+def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1, by_kind:ByKind|None=None) -> tuple[float, float]:
   """One estimate + its SGD update, as the training loop runs it (the population spread over `devices`, for mezo/es/dust)."""
   lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
   opt = zo.Optimizer(model.params, lrs, "sgd", mom, 8)
   step = [0]
   def run():
     step[0] += 1
+    if by_kind: by_kind.times.clear()  # keep the last (the timed) step's
     g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **({"devices": devices} if devices > 1 else {}))
     opt.step(g)
     loss.realize()
-  return measure(run, n=1, warm=2, eager_memory=False) if method == "dust" else measure(run)
+  with by_kind or contextlib.nullcontext():
+    return measure(run, n=1, warm=2, eager_memory=False) if method == "dust" else measure(run)
 
 def looped_table(depths:list[int], quick:bool, dust_pop:int):
   """One row per loop count, each estimator's step time and peak memory above the parameters and the batch, side by side: MeZO's
@@ -112,10 +131,12 @@ def main():
   resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
   print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
   for method, pop, n in [("backprop", 1, 1), ("mezo", 1, 1), *[("dust", p, n) for p in pops for n in args.devices]]:
-    t, m = step_bench(model, x, y, method, pop, n)
+    by_kind = ByKind() if method == "dust" and n == 1 else None
+    t, m = step_bench(model, x, y, method, pop, n, by_kind)
     peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident  # on several devices: all of them together
     name = f"{method} pop {pop} step" + (f" on {n} devices" if n > 1 else "")
     print(f"{name:34s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
+    if by_kind: print("  by chunk kind: " + ", ".join(f"{k} {v:.3f} s" for k, v in by_kind.times.items()), flush=True)
   if args.quick: looped_table([2, 8], True, pops[0])
 
 if __name__ == "__main__": main()
