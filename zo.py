@@ -178,6 +178,9 @@ def save(out:str, model, opt:Optimizer, step:int):
   path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
   save_file({k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state()}.items()}, tmp,
             metadata={"step": str(step)})
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(tmp, 0o666 & ~mask)  # safetensors creates its file private (0600); a checkpoint gets the mode of any file the user writes
   with open(tmp, "rb+") as f: os.fsync(f.fileno())
   os.replace(tmp, path)
 

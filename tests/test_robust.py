@@ -206,9 +206,9 @@ def test_resume_without_run(tmp_path:Path):
 
 # protects: a checkpoint is written and resumed on a machine where tinygrad's CPU device can't compile (no clang, as on a GPU box:
 # tinygrad's own safe_save goes through that device): under another default device and a failing compiler, save then resume
-# restores the weights and the step exactly
+# restores the weights and the step exactly, in a file with the usual mode
 NO_CLANG = """
-import sys
+import os, sys
 import numpy as np
 from tinygrad import dtypes
 import zo
@@ -218,6 +218,8 @@ def make(seed):
   return m, zo.Optimizer(m.params, {n: 0.1 for n in m.params}, "sgd", 0.9, 4)
 (a, opt_a), (b, opt_b) = make(0), make(1)
 zo.save(sys.argv[1], a, opt_a, 7)
+mask = os.umask(0)
+assert os.stat(os.path.join(sys.argv[1], "model.safetensors")).st_mode & 0o777 == 0o666 & ~mask  # as any file the user writes
 assert zo.resume(sys.argv[1], b, opt_b) == 7
 assert all(np.array_equal(a.params[n].numpy(), b.params[n].numpy()) for n in a.params)
 """
