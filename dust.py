@@ -20,9 +20,10 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import buffers
+from kernels.attention import attention, probs
 from kernels.noise import key as root_key, fold, gaussian
 from devices import inputs, replicas, shares
-from model import GPTConfig, jitted, probs, rms, rope
+from model import GPTConfig, jitted, rms, rope
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -232,8 +233,7 @@ class CleanAttention:
     if model.has_ve(i): t["z"], t["e"] = get("gate").float().transpose(1, 2), att.heads(get("ve")).transpose(1, 2)
     t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if model.has_ve(i) else u
     t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
-    p = probs(t["qh"], t["kh"], att.window, dtypes.float32)
-    t["o"], t["p"] = p @ t["u"], p.cast(model.dtype)
+    t["o"], t["p"] = attention(t["qh"], t["kh"], t["u"], att.window), probs(t["qh"], t["kh"], att.window).cast(model.dtype)
     Tensor.realize(*t.values())
     return att
 
@@ -258,7 +258,7 @@ class CleanAttention:
     scores (at pop 1024 on the dust preset, 8.6 GB in float32: the peak of the whole update)."""
     t = self.t
     qh, kh = (self.hat(t["q"] + sigma * a), t["kh"]) if kind == "q" else (t["qh"], self.hat(t["k"] + sigma * a))
-    return probs(qh, kh, self.window, dtypes.float32) @ t["u"] - t["o"]
+    return attention(qh, kh, t["u"], self.window) - t["o"]
 
 def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""

@@ -11,6 +11,7 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import UOp
+from kernels.attention import attention
 from kernels.noise import fold, gaussian
 
 # tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
@@ -63,22 +64,6 @@ def rms(x:Tensor, eps:float=1e-6) -> Tensor: return x * (x.float().square().mean
 def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate the halves (a, b) -> (a cos + b sin, -a sin + b cos)
   a, b = x.chunk(2, dim=-1)
   return (a * cos + b * sin).cat(b * cos - a * sin, dim=-1)
-
-def probs(q:Tensor, k:Tensor, window:int, dtype:DType) -> Tensor:
-  """The attention probabilities [B, H, T, T] (float32), where query s sees keys t with 0 <= s - t <= window. q, k: [B, H, T, hd].
-  Scores and softmax in float32 whatever the model dtype, as flash attention does (tinygrad's sdpa would use q's dtype):
-  q k^T takes its inputs in `dtype` (tensor cores in half) and accumulates and returns float32."""
-  T = q.shape[2]
-  lag = Tensor.arange(T).reshape(T, 1) - Tensor.arange(T).reshape(1, T)
-  # materialized heads-first: a matmul that reads its operands through RoPE, the norm and the transposes recomputes them for every
-  # output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
-  q, k = [t.cast(dtype).contiguous() for t in (q, k)]
-  scores = q.matmul(k.transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
-  return ((lag >= 0) & (lag <= window)).where(scores, -math.inf).softmax(-1)
-
-def attention(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
-  """Causal windowed attention, q, k, v: [B, H, T, hd] -> [B, H, T, hd] in v's dtype."""
-  return probs(q, k, window, v.dtype).cast(v.dtype) @ v.contiguous()
 
 def init_params(shapes:dict[str, tuple[tuple[int, ...], str, float]], seed:int) -> dict[str, Tensor]:
   """shapes: name -> (shape, kind, scale). Drawn with NumPy so the same seed gives the same weights on every backend."""
