@@ -20,7 +20,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import buffers
-from kernels.attention import attention, probs
+from kernels.attention import attention, mix, probs, spans
 from kernels.noise import key as root_key, fold, gaussian
 from devices import inputs, replicas, shares
 from model import GPTConfig, jitted, rms, rope
@@ -217,7 +217,7 @@ def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
 class CleanAttention:
   """The clean attention at depth i, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, its
-  probabilities p [B, H, T, T], output o = p u [B, H, T, hd] (and the gate's logits z, the value embedding e). A draw recomputes only
+  probabilities p by block of queries (kernels/attention.py), output o = p u [B, H, T, hd] (and the gate's logits z, the value embedding e). A draw recomputes only
   this attention, never the network: all of it for q and k (in float32: o' - o is a small difference, and on the H200 these
   chunks measured ~1.8x faster than in half), and for v, gate and ve, which move only u, just p du, with p kept in the model's dtype
   (tensor cores in half; the product is off by ~2^-11 relative, as no difference is taken).
@@ -233,9 +233,13 @@ class CleanAttention:
     if model.has_ve(i): t["z"], t["e"] = get("gate").float().transpose(1, 2), att.heads(get("ve")).transpose(1, 2)
     t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if model.has_ve(i) else u
     t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
-    t["o"], t["p"] = attention(t["qh"], t["kh"], t["u"], att.window), probs(t["qh"], t["kh"], att.window).cast(model.dtype)
+    t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
+    t |= {f"p{j}": p for j, p in enumerate(probs(t["qh"], t["kh"], att.window, model.dtype))}
     Tensor.realize(*t.values())
     return att
+
+  def probs(self) -> list[Tensor]:  # by block of queries, kept in t as p0, p1, ... (a JIT finds the tensors of a dict, not of a list in it)
+    return [self.t[f"p{j}"] for j in range(len(spans(self.t["q"].shape[1], self.window)))]
 
   def heads(self, t:Tensor) -> Tensor: return t.float().reshape(*t.shape[:2], self.model.cfg.n_head, -1)
   def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, heads first
@@ -251,7 +255,7 @@ class CleanAttention:
     du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(t["z"]).unsqueeze(-1),  # exact by linearity in u
           "gate": lambda: (gate(t["z"] + sigma * a) - gate(t["z"] - sigma * a)).unsqueeze(-1) * t["e"]}[kind]()
     # the clean probabilities, reused by every draw; du materialized, so its noise is made once and not in the matmul's loop
-    return t["p"].matmul(du.cast(t["p"].dtype).contiguous(), dtype=dtypes.float32)
+    return mix(self.probs(), du.cast(self.model.dtype).contiguous(), self.window)
 
   def rerun(self, kind:str, a:Tensor, sigma:float) -> Tensor:
     """o' - o for one draw of q or k: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of T x T

@@ -27,21 +27,33 @@ def weights(q:Tensor, k:Tensor, s0:int, t0:int, window:int, dtype:DType) -> Tens
   lag = (Tensor.arange(q.shape[2]) + s0).reshape(-1, 1) - (Tensor.arange(k.shape[2]) + t0).reshape(1, -1)
   return ((lag >= 0) & (lag <= window)).where(scores.exp(), 0).cast(dtype).contiguous()  # contiguous: the two readers don't redo the matmul
 
-def probs(q:Tensor, k:Tensor, window:int) -> Tensor:
-  """The attention probabilities [B, H, T, T] in float32, for reuse across many value changes. q, k: [B, H, T, hd], unit RMS."""
-  w = weights(q.float().contiguous(), k.float().contiguous(), 0, 0, window, dtypes.float32)
-  return w / w.sum(-1, keepdim=True)
+def spans(T:int, window:int, block:int=BLOCK) -> list[tuple[int, int, int]]:
+  """(s0, s1, t0) for each block of queries s0..s1-1: the keys they can see are t0..s1-1."""
+  return [(s0, min(T, s0 + block), max(0, s0 - window)) for s0 in range(0, T, block)]
+
+def probs(q:Tensor, k:Tensor, window:int, dtype:DType, block:int=BLOCK) -> list[Tensor]:
+  """The attention probabilities by block of queries (spans), [B, H, s1 - s0, s1 - t0] each, normalized in float32 and kept in
+  `dtype`, to be applied to many value changes (mix). q, k: [B, H, T, hd], unit RMS."""
+  q, k = q.float().contiguous(), k.float().contiguous()
+  def rows(s0:int, s1:int, t0:int) -> Tensor:
+    w = weights(q[:, :, s0:s1], k[:, :, t0:s1], s0, t0, window, dtypes.float32)
+    return (w / w.sum(-1, keepdim=True)).cast(dtype).contiguous()
+  return [rows(*s) for s in spans(q.shape[2], window, block)]
+
+def mix(p:list[Tensor], v:Tensor, window:int, block:int=BLOCK) -> Tensor:
+  """p v for probabilities by block (probs) and values v [B', H, T, hd], B' a multiple of p's batch -> [B', H, T, hd] float32."""
+  n = v.shape[0] // p[0].shape[0]
+  def rows(pb:Tensor, s0:int, s1:int, t0:int) -> Tensor:
+    return pb.repeat(n, 1, 1, 1).matmul(v[:, :, t0:s1].cast(pb.dtype), dtype=dtypes.float32).contiguous()
+  return Tensor.cat(*[rows(pb, *s) for pb, s in zip(p, spans(v.shape[2], window, block))], dim=2)
 
 def attention(q:Tensor, k:Tensor, v:Tensor, window:int, block:int=BLOCK) -> Tensor:
   """softmax(q k^T / sqrt(hd) + mask) v, q, k, v: [B, H, T, hd] with q, k of unit RMS -> [B, H, T, hd] in v's dtype.
   q and k are read in v's dtype (tensor cores in half), the weights are kept in it, the sums are float32."""
-  T = q.shape[2]
   # materialized heads-first: a matmul that reads its operands through RoPE, the norm and the transposes recomputes them for every
   # output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
   q, k, v = [t.cast(v.dtype).contiguous() for t in (q, k, v)]
-  ys = []
-  for s0 in range(0, T, block):
-    s1, t0 = min(T, s0 + block), max(0, s0 - window)
+  def rows(s0:int, s1:int, t0:int) -> Tensor:  # contiguous: else the concatenation fuses every block's matmul into one kernel
     w = weights(q[:, :, s0:s1], k[:, :, t0:s1], s0, t0, window, v.dtype)
-    ys.append((w.matmul(v[:, :, t0:s1], dtype=dtypes.float32) / w.float().sum(-1, keepdim=True)).cast(v.dtype).contiguous())
-  return Tensor.cat(*ys, dim=2)
+    return (w.matmul(v[:, :, t0:s1], dtype=dtypes.float32) / w.float().sum(-1, keepdim=True)).cast(v.dtype).contiguous()
+  return Tensor.cat(*[rows(*s) for s in spans(q.shape[2], window, block)], dim=2)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops, UOp
-from kernels.attention import attention, probs
+from kernels.attention import attention, mix, probs, spans
 
 T = 16
 
@@ -32,7 +32,13 @@ def test_window(W:int, block:int):
     return attention(*[Tensor(a.astype(np.float32)) for a in (q, k, v)], W, block).numpy()
   out = run(k, v)
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(probs(Tensor(q.astype(np.float32)), Tensor(k.astype(np.float32)), W).numpy(), p, atol=1e-6)
+  # the probabilities by block, and them applied to two draws of values at once (a batch twice p's)
+  pb = probs(*[Tensor(a.astype(np.float32)) for a in (q, k)], W, dtypes.float32, block)
+  v2 = np.concatenate([v, 2 * v])
+  np.testing.assert_allclose(mix(pb, Tensor(v2.astype(np.float32)), W, block).numpy(), np.concatenate([ref, 2 * ref]), atol=1e-5, rtol=1e-5)
+  for b, (s0, s1, t0) in zip(pb, spans(T, W, block)):  # each block holds all its rows' probability: the keys it skips have none
+    np.testing.assert_allclose(b.numpy(), p[:, :, s0:s1, t0:s1], atol=1e-6)
+    np.testing.assert_allclose(b.numpy().sum(-1), 1, atol=1e-6)
   # moving key/value t0 changes exactly the queries t0..t0+W
   t0, v2, k2 = 4, v.copy(), k.copy()
   v2[:, :, t0], k2[:, :, t0] = v2[:, :, t0] + 1, -k2[:, :, t0]
