@@ -118,16 +118,19 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   take the place of this step's and nothing is traced or compiled again, and the sums are updated in place (TINYGRAD.md §2). The
   JIT's scratch buffers are freed after its group, so the update's ~60 JITs never hold their activations at the same time."""
   args = list(args)
+  Tensor.realize(*[t for a in args for t in a])  # every chunk's key uploaded at once: each realize walks all live tensors (host time)
   acc = [Tensor.zeros(*s, device=args[0][0].device).contiguous().realize() for s in shapes]  # where the chunks' keys are
   jit = jitted(summed, model, tuple(shapes), chunk=chunk, **static)
   for a in args: jit(*a, *inputs, acc)
-  if jit.captured is not None: release(jit.captured)
+  release(jit)
   return acc
 
-def release(captured) -> None:
-  """Free a captured JIT's scratch memory (its memory-plan arenas) until its next replay. tinygrad 0.14's free_intermediates frees
-  the arenas but keeps each intermediate's view into them with its old address, and a replay then writes through those views into
-  whatever owns that memory by then; so the views are deallocated first, and a replay derives them from the re-allocated arena."""
+def release(jit) -> None:
+  """Free what a captured JIT writes (its memory-plan arenas, and its outputs if it has any of its own) until its next replay, which
+  allocates them again. tinygrad 0.14's free_intermediates frees the arenas but keeps each intermediate's view into them with its
+  old address, and a replay then writes through those views into whatever owns that memory by then; so the views are deallocated
+  first, and a replay derives them from the re-allocated arena. A JIT not captured yet ran eagerly: nothing of it is kept."""
+  if (captured := jit.captured) is None: return
   arenas = {b for u in captured._written_uops if isinstance(b := buffers.get(u), Buffer)}
   for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in arenas and b.is_initialized()]: view.deallocate()
   captured.free_intermediates()
@@ -226,16 +229,13 @@ class CleanAttention:
 
   @classmethod
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
-    def get(kind:str) -> Tensor: return rec[recorded(model, error_site(kind, model.pblock(i)), i)]
-    att = cls(model, i, {})
-    t = att.t = {kind: att.heads(get(kind)) for kind in ("q", "k")}
-    u = att.heads(get("v")).transpose(1, 2)
-    if model.has_ve(i): t["z"], t["e"] = get("gate").float().transpose(1, 2), att.heads(get("ve")).transpose(1, 2)
-    t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if model.has_ve(i) else u
-    t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
-    t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
-    t |= {f"p{j}": p for j, p in enumerate(probs(t["qh"], t["kh"], att.window, model.dtype))}
-    Tensor.realize(*t.values())
+    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across
+    steps: run eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker)."""
+    kinds = [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
+    records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in kinds}
+    jit = jitted(clean_attention, model, records["q"].shape, depth=i)
+    att = cls(model, i, jit(records))
+    att.jit = jit  # its tensors are the JIT's outputs, freed by release(att.jit) when the depth is done
     return att
 
   def probs(self) -> list[Tensor]:  # by block of queries, kept in t as p0, p1, ... (a JIT finds the tensors of a dict, not of a list in it)
@@ -263,6 +263,18 @@ class CleanAttention:
     t = self.t
     qh, kh = (self.hat(t["q"] + sigma * a), t["kh"]) if kind == "q" else (t["qh"], self.hat(t["k"] + sigma * a))
     return attention(qh, kh, t["u"], self.window) - t["o"]
+
+def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Tensor]:
+  """CleanAttention's tensors at a depth, from the clean pass's records of q, k, v (and gate, ve). Run as a JIT, from copies of the
+  records: its outputs must own their buffers, as a view of an input would show the input of the call that the JIT captured."""
+  att, r = CleanAttention(model, depth, {}), {kind: t.float().clone() for kind, t in records.items()}
+  t = {kind: att.heads(r[kind]) for kind in ("q", "k")}
+  u = att.heads(r["v"]).transpose(1, 2)
+  if "ve" in r: t["z"], t["e"] = r["gate"].transpose(1, 2), att.heads(r["ve"]).transpose(1, 2)
+  t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if "ve" in r else u
+  t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
+  t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
+  return t | {f"p{j}": p for j, p in enumerate(probs(t["qh"], t["kh"], att.window, model.dtype))}
 
 def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""
@@ -318,12 +330,23 @@ def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, T
   estimate (step() also returns the clean mean loss)."""
   return step(model, x, y, pop, key, **opts)[0]
 
+def clean_capture(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+  """model.capture without the embeddings' inputs, which are the batch x itself: a JIT returns the tensors of the call it captured,
+  so at every replay those entries would hold that call's batch."""
+  loss, rec = model.capture(x, y, params)
+  return loss, {n: t for n, t in rec.items() if t is not x}
+
+def embeddings(model) -> list[str]:  # the sites whose input is the batch of token ids
+  return ["transformer.wte", *[f"value_embeds.{i}" for i in range(model.n_blocks) if model.has_ve(i)]]
+
 class Worker:
   """One device's part of a step: the model (or its replica on that device), the batch, and the clean capture that every estimate
   of the step reads. Each device captures its own: a clean forward costs less than copying the activations."""
   def __init__(self, model, x:Tensor, y:Tensor):
     self.model, self.x, self.y = model, x, y
-    self.loss, self.rec = model.capture(x, y)
+    self.capture = jitted(clean_capture, model, x.shape)  # a JIT: run eagerly, its graph cost more host time than its kernels take
+    self.loss, rec = self.capture(x, y, model.params)
+    self.rec = rec | {f"{site}:in": x for site in embeddings(model)}
     self.attn:CleanAttention|None = None  # the depth that the local draws are at
     self.targets:dict[int, Tensor] = {}   # the hub errors, the local draws' targets, on this device
 
@@ -379,6 +402,7 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
       l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
       if draws and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
         err[error_site(kind, l), i] = local(kind, i, draws)
+    for w in work: release(w.attn.jit)
   grads:dict[str, Tensor] = {}
   for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them
     n, g = f"{s}.weight", weight_grad(e, rec[recorded(model, s + ":in", d)], model.params[f"{s}.weight"].shape)
@@ -386,5 +410,7 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
   scalars = across(work, table[:rc.scalar_draws, 0, GROUPS.index("scalars")], lambda w, ks: scalar_es(w.model, w.x, w.y, sigma["scalars"], ks))
   grads |= {n: g / y.numel() for n, g in scalars.items()}
   out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
-  Tensor.realize(*out.values())
-  return out, loss.mean()
+  mean = loss.mean()
+  Tensor.realize(*out.values(), mean)  # the mean now: the loss is the capture JIT's output, which its next replay overwrites
+  for w in work: release(w.capture)
+  return out, mean

@@ -144,11 +144,11 @@ class GPT:
     model.params for this pass (perturbed weights)."""
     return self._forward(idx, targets, Pass(self, jitter, None, params), cache)
 
-  def capture(self, idx:Tensor, targets:Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+  def capture(self, idx:Tensor, targets:Tensor, params:dict|None=None) -> tuple[Tensor, dict[str, Tensor]]:
     """The clean losses and a cache: every site's output (`name`) and input (`name:in`), `x0`, each block's input `x.{i}`
-    and post-mix stream `h.{i}`. All realized, so reruns read them instead of recomputing."""
+    and post-mix stream `h.{i}`. All realized, so reruns read them instead of recomputing. `params` as in losses()."""
     rec:dict[str, Tensor] = {}
-    loss = self._forward(idx, targets, Pass(self, None, rec), None)
+    loss = self._forward(idx, targets, Pass(self, None, rec, params), None)
     Tensor.realize(loss, *[t for t in rec.values() if t is not None])
     return loss, rec
 
