@@ -218,6 +218,9 @@ def error_site(kind:str, l:int) -> str: return f"value_embeds.{l}" if kind == "v
 
 def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
+def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i has value embeddings (the looped model never has)
+  return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
+
 class CleanAttention:
   """The clean attention at depth i, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, its
   probabilities p by block of queries (kernels/attention.py), output o = p u [B, H, T, hd] (and the gate's logits z, the value
@@ -231,8 +234,7 @@ class CleanAttention:
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
     """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across
     steps: run eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker)."""
-    kinds = [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
-    records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in kinds}
+    records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in local_kinds(model, i)}
     jit = jitted(clean_attention, model, records["q"].shape, depth=i)
     att = cls(model, i, jit(records))
     att.jit = jit  # its tensors are the JIT's outputs, freed by release(att.jit) when the depth is done
@@ -398,10 +400,9 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str,
   for w in work: w.targets = {i: t.to(w.x.device).realize() for i, t in targets.items()}
   for i in targets:  # depth by depth, each loop of the looped model against its own target: one depth's T x T probabilities at a time
     for w in work: w.attn = CleanAttention.capture(w.model, w.rec, i)
-    for kind in KINDS:
+    for kind in local_kinds(model, i):  # the recipe for n_layer=1 allots gate and ve draws, which the looped model can't use
       l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
-      if draws and (kind in ("q", "k", "v") or model.has_ve(i)):  # the recipe's n_layer=1 has ve, Looped hasn't
-        err[error_site(kind, l), i] = local(kind, i, draws)
+      if draws: err[error_site(kind, l), i] = local(kind, i, draws)
     for w in work: release(w.attn.jit)
   grads:dict[str, Tensor] = {}
   for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them
