@@ -12,6 +12,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import UOp
 from kernels.attention import attention
+from kernels.matmul import linear
 from kernels.noise import fold, gaussian
 
 # tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
@@ -90,7 +91,7 @@ class Pass:
 
   def linear_out(self, name:str, x:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
-    return x.cast(self.dtype) @ w.cast(self.dtype).T if isinstance(w, Tensor) else w.linear(x.cast(self.dtype), self.dtype)
+    return linear(x.cast(self.dtype), w) if isinstance(w, Tensor) else w.linear(x.cast(self.dtype), self.dtype)
 
   def embed(self, name:str, idx:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
