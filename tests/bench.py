@@ -126,7 +126,9 @@ def main():
   x, y = (Tensor(rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2))
   print(f"device {Device.DEFAULT}, {model.num_params():,} params, {model.dtype}, batch {B}x{T}", flush=True)
   f = forward_bench(model, x, y)
-  print(" | ".join(f"{k} {v:,.3f}" for k, v in f.items()), flush=True)
+  def row(f:dict[str, float]) -> str: return " | ".join(f"{k} {v:,.3f}" for k, v in f.items())
+  print(row(f), flush=True)
+  with Context(TUNED_MATMUL=0): print("tinygrad's matmul: " + row(forward_bench(model, x, y)), flush=True)  # kernels/matmul.py off
   torch_reference(model, x, y)
   resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
   print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
