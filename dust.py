@@ -129,7 +129,7 @@ def release(jit) -> None:
   """Free what a captured JIT writes (its memory-plan arenas, and its outputs if it has any of its own) until its next replay, which
   allocates them again. tinygrad 0.14's free_intermediates frees the arenas but keeps each intermediate's view into them with its
   old address, and a replay then writes through those views into whatever owns that memory by then; so the views are deallocated
-  first, and a replay derives them from the re-allocated arena. A JIT not captured yet ran eagerly: nothing of it is kept."""
+  first, and a replay derives them from the re-allocated arena. Under JIT=0 nothing is captured, and nothing of a call is kept."""
   if (captured := jit.captured) is None: return
   arenas = {b for u in captured._written_uops if isinstance(b := buffers.get(u), Buffer)}
   for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in arenas and b.is_initialized()]: view.deallocate()

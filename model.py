@@ -257,7 +257,12 @@ class Looped(GPT):
 _jits:dict[tuple, TinyJit] = {}
 def jitted(fn, model:GPT, *shape, **static) -> TinyJit:
   """One TinyJit per (function, model, input shape, knobs), kept for the process: Python values are frozen into a captured JIT, so
-  they key the cache; the model's id does too, and the JIT's closure keeps the model alive, so an id is never reused."""
+  they key the cache; the model's id does too, and the JIT's closure keeps the model alive, so an id is never reused.
+  It captures at its first call. A TinyJit runs its first call eagerly, as a warm-up for functions that set up state on first use
+  (these don't: all they read is an input or already realized); eagerly, there is no memory plan, so the first Dust update at pop
+  1024 peaked at 46.5 GiB on the H200 against 8.0 for the next, and every graph was scheduled twice, eagerly and to capture."""
   k = (fn.__name__, id(model), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
-  if k not in _jits: _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
+  if k not in _jits:
+    _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
+    _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
   return _jits[k]
