@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tinygrad import Context, Tensor
 from tinygrad.nn.state import safe_load
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, jitted
 import devices
 import dust
 import zo
@@ -65,13 +65,19 @@ def test_each_device_draws_its_own_keys(batch, monkeypatch, method:str, pop:int)
   # disjoint and together all of them: a split that gives each device draws 0..n-1, or runs everything on CPU, fails here
   seen:dict[str, list] = {}
   def spy(fn):
-    def wrapped(m, x, y, k, *a, **kw):  # called when its JIT warms up and captures: once per draw here (at most 2 a device)
+    def wrapped(m, x, y, k, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
       assert devices.device(m) == x.device == k.device and all(p.device == x.device for p in m.params.values())
-      seen.setdefault(x.device, []).append(a[0] if a else k)
       return fn(m, x, y, k, *a, **kw)
     return wrapped
+  def recorded(fn, m, *shape, **static):  # every call of the JIT, replays too: the draws (j, or the pair keys) each device gets
+    jit = jitted(fn, m, *shape, **static)
+    def call(x, y, k, *a):
+      seen.setdefault(x.device, []).append(a[0] if a else k)
+      return jit(x, y, k, *a)
+    return call
   fn = "spsa_pair" if method == "mezo" else "es_losses"
   monkeypatch.setattr(zo, fn, spy(getattr(zo, fn)))
+  monkeypatch.setattr(zo, "jitted", recorded)
   model, (x, y) = GPT(CFG, seed=1), batch  # a new model, so new JITs that call the spy
   g, _ = zo.run_estimator(model, x, y, method, pop, 4, devices=2)
   if method == "mezo": drawn = {d: [int(j.item()) for j in js] for d, js in seen.items()}  # the direction index j of each call
