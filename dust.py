@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.device import Buffer
-from tinygrad.uop.ops import buffers
 from kernels.attention import attention, mix, probs, spans
 from kernels.noise import key as root_key, fold, gaussian
 from devices import inputs, replicas, shares
-from model import GPTConfig, jitted, rms, rope
+from model import GPTConfig, jitted, release, rms, rope
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -124,16 +122,6 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   for a in args: jit(*a, *inputs, acc)
   release(jit)
   return acc
-
-def release(jit) -> None:
-  """Free what a captured JIT writes (its memory-plan arenas, and its outputs if it has any of its own) until its next replay, which
-  allocates them again. tinygrad 0.14's free_intermediates frees the arenas but keeps each intermediate's view into them with its
-  old address, and a replay then writes through those views into whatever owns that memory by then; so the views are deallocated
-  first, and a replay derives them from the re-allocated arena. Under JIT=0 nothing is captured, and nothing of a call is kept."""
-  if (captured := jit.captured) is None: return
-  arenas = {b for u in captured._written_uops if isinstance(b := buffers.get(u), Buffer)}
-  for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in arenas and b.is_initialized()]: view.deallocate()
-  captured.free_intermediates()
 
 def summed(model, *a, chunk:Callable[..., list[Tensor]], **static) -> Tensor:
   *a, acc = a

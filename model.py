@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
-from tinygrad.uop.ops import UOp
+from tinygrad.device import Buffer
+from tinygrad.uop.ops import UOp, buffers
 from kernels.attention import attention
 from kernels.matmul import linear
 from kernels.noise import fold, gaussian
@@ -266,3 +267,13 @@ def jitted(fn, model:GPT, *shape, **static) -> TinyJit:
     _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
     _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
   return _jits[k]
+
+def release(jit:TinyJit) -> None:
+  """Free what a captured JIT writes (its memory-plan arenas, and its outputs if it has any of its own) until its next replay, which
+  allocates them again. tinygrad 0.14's free_intermediates frees the arenas but keeps each intermediate's view into them with its
+  old address, and a replay then writes through those views into whatever owns that memory by then; so the views are deallocated
+  first, and a replay derives them from the re-allocated arena. Under JIT=0 nothing is captured, and nothing of a call is kept."""
+  if (captured := jit.captured) is None: return
+  arenas = {b for u in captured._written_uops if isinstance(b := buffers.get(u), Buffer)}
+  for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in arenas and b.is_initialized()]: view.deallocate()
+  captured.free_intermediates()

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from tinygrad import Context, Tensor, dtypes, nn
 from kernels.noise import fold, gaussian, key as root_key
 from kernels.perturb import Population, combine
-from model import jitted
+from model import jitted, release
 from devices import names, spread
 import dust
 
@@ -194,9 +194,18 @@ def resume(out:str, model, opt:Optimizer) -> int:
   opt.load(st)
   return step
 
+def mean_loss(model, x:Tensor, y:Tensor, **kw) -> Tensor: return model.losses(x, y, **kw).mean().realize()
+
 def val_loss(model, data, args, batches:int=4) -> float:
+  """The mean loss over the first validation batches, as a JIT whose memory is freed after: an eager forward keeps every
+  materialized activation until its schedule ends (the dust preset at 8x2048 tokens: 5.3 GiB eagerly, 0.4 GiB in a JIT)."""
   kw = {"loops": args.eval_loops} if args.model == "looped" and args.eval_loops else {}
-  return float(np.mean([model.losses(*map(Tensor, data.batch("val", i, args.batch, args.seq)), **kw).mean().item() for i in range(batches)]))
+  losses = []
+  for i in range(batches):
+    x, y = map(Tensor, data.batch("val", i, args.batch, args.seq))
+    losses.append((jit := jitted(mean_loss, model, x.shape, **kw))(x, y).item())
+  release(jit)
+  return float(np.mean(losses))
 
 def compute_dtype():  # half precision (float32 accumulation, float32 master weights) on accelerators; float32 on the CPU
   from tinygrad import Device
