@@ -221,7 +221,7 @@ class CleanAttention:
   @classmethod
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
     """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across
-    steps: run eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker)."""
+    steps: eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker)."""
     records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in local_kinds(model, i)}
     jit = jitted(clean_attention, model, records["q"].shape, depth=i)
     att = cls(model, i, jit(records))
@@ -334,7 +334,7 @@ class Worker:
   of the step reads. Each device captures its own: a clean forward costs less than copying the activations."""
   def __init__(self, model, x:Tensor, y:Tensor):
     self.model, self.x, self.y = model, x, y
-    self.capture = jitted(clean_capture, model, x.shape)  # a JIT: run eagerly, its graph cost more host time than its kernels take
+    self.capture = jitted(clean_capture, model, x.shape)  # a JIT: eagerly, its graph cost more host time than its kernels take
     self.loss, rec = self.capture(x, y, model.params)
     self.rec = rec | {f"{site}:in": x for site in embeddings(model)}
     self.attn:CleanAttention|None = None  # the depth that the local draws are at

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, Context, GlobalCounters, dtypes
 from kernels.noise import gaussian, key
-from model import GPT, GPTConfig, Looped, LoopedConfig
+from model import GPT, GPTConfig, Looped, LoopedConfig, release
 import dust
 
 B, T = 4, 16
@@ -178,16 +178,17 @@ def test_head_slabs():
   assert 0.6 < (est * true).sum() / (true * true).sum() < 0.9
 
 def test_clean_attention_follows_its_records():
-  """The attention capture is a JIT per depth that lives across steps, its memory freed after use: at every call (eager, capture,
+  """The attention capture is a JIT per depth that lives across steps, its memory freed after use: at every call (the capture, the
   replays) its tensors must come from the records passed then, not from those of the call it captured (which an output that is a
-  view of an input would show), and survive the release and re-allocation. A fresh model copy (its first call, eager) is the reference."""
+  view of an input would show), and survive the release and re-allocation. A fresh model copy (its first call, a capture of these
+  very records) is the reference."""
   model, rng = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0), np.random.default_rng(5)
   for _ in range(4):
     x, y = [Tensor(rng.integers(0, 256, (B, T)).astype(np.int32)).realize() for _ in range(2)]
     _, rec = model.capture(x, y)  # eager: new record tensors at every call
     att, ref = dust.CleanAttention.capture(model, rec, 1), dust.CleanAttention.capture(copy.copy(model), rec, 1)
     assert att.t.keys() == ref.t.keys() and all(np.allclose(att.t[n].numpy(), ref.t[n].numpy(), atol=1e-6) for n in ref.t)
-    dust.release(att.jit)
+    release(att.jit)
 
 @pytest.mark.parametrize("kind", ("v", "gate", "ve"))
 def test_local_delta_in_half(setup, kind:str):

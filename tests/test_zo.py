@@ -145,7 +145,7 @@ def test_backprop_jit_follows_the_weights(setup):
   saved = {n: p.numpy() for n, p in model.params.items()}
   try:
     grads = []
-    for scale in (1.0, 1.5, 2.0):  # the second call captures the JIT, the third replays it
+    for scale in (1.0, 1.5, 2.0):  # the first call captures the JIT, the others replay it
       for n, p in model.params.items(): p.assign(Tensor(saved[n] * scale)).realize()
       grads.append(zo.estimate(model, x, y, "backprop", 1, 0))
     for n in model.params: model.params[n].assign(Tensor(saved[n] * 1.5)).realize()
@@ -324,8 +324,8 @@ def test_cli_cosine_table(background):
 
 def looped_memory(method:str, loops:int) -> dict[str, int]:
   """Bytes that tinygrad allocates (GlobalCounters.mem_used) for the tiny looped model at `loops` loops, above its parameters and an
-  8x16 batch: `kept` after two clean forwards, and the `peak` during three `method` steps (each TinyJit's eager first call, its
-  capture and its replays), above what was allocated before them."""
+  8x16 batch: `kept` after two clean forwards, and the `peak` during three `method` steps (each TinyJit's capture at its first
+  call, then its replays), above what was allocated before them."""
   from tinygrad import GlobalCounters
   from tests.bench import PEAK as peak  # the benchmark's peak tracker: importing it wraps tinygrad's Buffer.allocate
   model = Looped(LoopedConfig.preset("tiny", loops=loops, vocab=CFG.vocab, seq_len=T), seed=0)
@@ -344,7 +344,7 @@ def memory_probe(method:str, loops:int) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("method", ["mezo", "es"])
 def test_looped_zo_memory_flat(background, method:str):
-  # A ZO step holds one loop's activations at a time, so its peak is the same at 4 and 32 loops (238,120 bytes for mezo, 476,200 for
+  # A ZO step holds one loop's activations at a time, so its peak is the same at 4 and 32 loops (173,624 bytes for mezo, 690,984 for
   # es, measured); 1.2x leaves room for a constant-size change. A step that keeps every loop's activations grows toward 8x: a lazy
   # forward run eagerly (tinygrad holds every .contiguous() buffer of one schedule until it ends) took the mezo step's peak from 0.54 MB
   # to 2.8 MB. A clean forward keeps nothing: tinygrad 0.14 leaked the buffers whose numbers met a cached schedule's placeholders,
