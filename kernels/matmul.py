@@ -2,7 +2,7 @@
 
 tinygrad turns a matmul into a kernel and then optimizes it: tensor cores, upcasts (each thread computes a tile of outputs),
 locals. Its hand-coded heuristic upcasts the output tile 4x along each side and adds locals; on the H200, for the linear layers'
-shapes (M = 131,072 tokens, N and K of 512 to 4,096, half inputs, float accumulation) that runs at 70-77 TFLOP/s. A BEAM search
+shapes (M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation) that runs at 70-77 TFLOP/s. A BEAM search
 (BEAM=2, 35-145 s per kernel shape) found that an 8x upcast along N, 4x along M and no locals run at 101-109 TFLOP/s, the same
 for every shape (`OPTS`). Each layer's kernel would need its own search, and its cache is lost with the machine, so the found
 options are fixed on an explicit kernel (tinygrad's `custom_kernel`) that any matmul with these dtypes and divisible shapes can
@@ -18,7 +18,7 @@ from tinygrad.helpers import ContextVar
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 TUNED_MATMUL = ContextVar("TUNED_MATMUL", 1)
-# tensor cores on the first (N, M) pair of axes, then upcast N by 4, M by 4, N by 2 again: each thread owns a 32x16 output tile
+# tensor cores on the first (N, M) pair of axes, then upcast N by 4, M by 4 and N by 2 again (the heuristic: N by 4, M by 4, locals)
 OPTS = (Opt(OptOps.TC, 0, (-1, 0, 1)), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 2))
 TILE = (128, 64, 16)  # M, N, K that OPTS need to divide: the tensor core's 16x8x16 times the upcasts, and M twice that (at M = 64
 # the M axis is used up, and the next UPCAST lands on the tensor core's own axis: KernelOptError)
