@@ -243,8 +243,8 @@ class Looped(GPT):
 
   def block(self, p:Pass, i:int, x:Tensor, x0:Tensor, idx:Tensor, resume:tuple[Tensor, Tensor]|None=None) -> Tensor:
     """A pass that nothing differentiates (perturbed weights or jittered sites: the ZO estimators) is realized loop by loop. Run
-    eagerly (JIT=0), one tinygrad schedule keeps every `.contiguous()` buffer it writes until it ends, so a
-    lazy pass would hold every loop's activations; per loop, each loop's are freed before the next. Autograd needs the whole graph."""
+    eagerly (JIT=0), one tinygrad schedule keeps every `.contiguous()` buffer it writes until it ends, so a lazy pass would hold
+    every loop's activations; per loop, each loop's are freed before the next. Autograd needs the whole graph."""
     x = super().block(p, i, x, x0, idx, resume)
     return x.realize() if p.jitter or p.params is not self.params else x
 
