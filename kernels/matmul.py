@@ -2,12 +2,12 @@
 
 tinygrad turns a matmul into a kernel and then optimizes it: tensor cores, upcasts (each thread computes a tile of outputs),
 locals. Its hand-coded heuristic upcasts the output tile 4x along each side and adds locals; on the H200, for the linear layers'
-shapes (M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation) that runs at 70-77 TFLOP/s. A BEAM search
-(BEAM=2, 35-145 s per kernel shape) found that an 8x upcast along N, 4x along M and no locals run at 101-109 TFLOP/s, the same
-for every shape (`OPTS`). Each layer's kernel would need its own search, and its cache is lost with the machine, so the found
-options are fixed on an explicit kernel (tinygrad's `custom_kernel`) that any matmul with these dtypes and divisible shapes can
-use. It reads w in its own dtype and rounds it to x's inside the loop, as the heuristic's kernel does: the results are the same
-bits.
+shapes (M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation) that runs at 70-77 TFLOP/s.
+A BEAM search (BEAM=2, 35-81 s per kernel shape) found, for three of the shapes, an 8x upcast along N, 4x along M and at most one
+2x local, at 102-108 TFLOP/s. Their common part (`OPTS`, no local) runs at 101-109 TFLOP/s on this kernel for all four shapes.
+Each layer's kernel would need its own search, and its cache is lost with the machine, so the options are fixed on an explicit
+kernel (tinygrad's `custom_kernel`) that any matmul with these dtypes and divisible shapes can use. It reads w in its own dtype
+and rounds it to x's inside the loop, as the heuristic's kernel does: the results are the same bits.
 
 The kernel has no gradient: backprop (the reference baseline) differentiates tinygrad's own matmul, under
 Context(TUNED_MATMUL=0), which is also how to compare the two (`TUNED_MATMUL=0 python ...`).
