@@ -21,7 +21,7 @@ from tinygrad import Tensor, dtypes
 from kernels.attention import attention, mix, probs, spans
 from kernels.noise import key as root_key, fold, gaussian
 from devices import inputs, replicas, shares
-from model import GPTConfig, jitted, release, rms, rope
+from model import GPTConfig, jitted, release, rms, rope, softcap
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -183,8 +183,6 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, keys:np.ndar
   return E / (nrep * len(keys) // S)  # the draws each slab received
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
-
-def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()
 
 def head_chunk(model, k:Tensor, slab:Tensor, clean:dict[str, Tensor], sigma:float, nrep:int) -> list[Tensor]:
   """One chunk of `head_error` on slab `slab` (one-hot [S]); clean: the capture's raw logits z and one-hot targets hit, as

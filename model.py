@@ -13,7 +13,7 @@ from tinygrad.dtype import DType
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import UOp, buffers
 from kernels.attention import attention
-from kernels.matmul import linear
+from kernels.matmul import activate, linear
 from kernels.noise import fold, gaussian
 
 # tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
@@ -63,6 +63,8 @@ class LoopedConfig:
 
 def rms(x:Tensor, eps:float=1e-6) -> Tensor: return x * (x.float().square().mean(-1, keepdim=True) + eps).rsqrt().cast(x.dtype)
 
+def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()  # smoothly into (-cap, cap)
+
 def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate the halves (a, b) -> (a cos + b sin, -a sin + b cos)
   a, b = x.chunk(2, dim=-1)
   return (a * cos + b * sin).cat(b * cos - a * sin, dim=-1)
@@ -90,9 +92,9 @@ class Pass:
     self.model, self.jitter, self.rec, self.depth = model, jitter or {}, rec, None
     self.params, self.dtype = model.params if params is None else params, model.dtype
 
-  def linear_out(self, name:str, x:Tensor) -> Tensor:
-    w = self.params[name + ".weight"]
-    return linear(x.cast(self.dtype), w) if isinstance(w, Tensor) else w.linear(x.cast(self.dtype), self.dtype)
+  def linear_out(self, name:str, x:Tensor, act:str|None=None) -> Tensor:
+    w, x = self.params[name + ".weight"], x.cast(self.dtype)
+    return linear(x, w, act) if isinstance(w, Tensor) else w.linear(activate(x, act), self.dtype)
 
   def embed(self, name:str, idx:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
@@ -110,7 +112,8 @@ class Pass:
       out = (out + (sigma * gaussian(self.model.site_key(k, self.depth), out.shape)).cast(out.dtype)).contiguous()
     return out
 
-  def linear(self, name:str, x:Tensor) -> Tensor: return self.site(name, x, self.linear_out(name, x))
+  def linear(self, name:str, x:Tensor, act:str|None=None) -> Tensor:  # act(x) is the layer's input (kernels/matmul.py's ACTS)
+    return self.site(name, activate(x, act), self.linear_out(name, x, act))
 
 class GPT:
   def __init__(self, cfg:GPTConfig, seed:int=0, dtype:DType=dtypes.float32):
@@ -200,7 +203,7 @@ class GPT:
     else: h, y = resume
     a = h + p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y)).float()
     hid = p.linear(f"{pre}.mlp.c_fc", rms(a).cast(self.dtype))
-    return (a + p.linear(f"{pre}.mlp.c_proj", hid.relu().square()).float()).contiguous()
+    return (a + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()).contiguous()
 
   def attn(self, p:Pass, i:int, pre:str, n:Tensor, idx:Tensor) -> Tensor:
     B, T, d = n.shape
@@ -217,8 +220,7 @@ class GPT:
 
   def head(self, p:Pass, x:Tensor, targets:Tensor) -> Tensor:
     p.depth = None
-    z = p.linear("lm_head", rms(x).cast(self.dtype)).float().contiguous()
-    c = self.cfg.softcap * (z / self.cfg.softcap).tanh()
+    c = softcap(p.linear("lm_head", rms(x).cast(self.dtype)).float(), self.cfg.softcap)  # read from the logits in the model's dtype
     # contiguous: a consumer that sums the losses would otherwise fuse the vocab reductions into its own (8.5 s, not 1 ms, on the H200)
     return (c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).contiguous()
 

@@ -1,49 +1,105 @@
-"""x @ w.T as one explicit kernel whose optimizations are chosen here, not by tinygrad's heuristic.
+"""x @ w.T for the linear layers, on NVIDIA tensor cores, as a CUDA C kernel that tinygrad compiles and schedules like its own.
 
-tinygrad turns a matmul into a kernel and then optimizes it: tensor cores, upcasts (each thread computes a tile of outputs),
-locals. Its hand-coded heuristic upcasts the output tile 4x along each side and adds locals; on the H200, for the linear layers'
-shapes (M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation) that runs at 70-77 TFLOP/s.
-A BEAM search (BEAM=2, 35-81 s per kernel shape) found, for three of the shapes, an 8x upcast along N, 4x along M and at most one
-2x local, at 102-108 TFLOP/s. Their common part (`OPTS`, no local) runs at 101-109 TFLOP/s on this kernel for all four shapes.
-Each layer's kernel would need its own search, and its cache is lost with the machine, so the options are fixed on an explicit
-kernel (tinygrad's `custom_kernel`) that any matmul with these dtypes and divisible shapes can use. It reads w in its own dtype
-and rounds it to x's inside the loop, as the heuristic's kernel does: the results are the same bits.
+tinygrad's matmul kernels load their operands from global memory straight into registers: on the H200, at the linear layers' shapes
+(M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation), 56-58 TFLOP/s by default and 102-110
+with the best options a BEAM search found (the previous version of this file fixed those). A GEMM as GPUs like it stages tiles of
+both operands in shared memory, where every warp of the block reuses them: each block of 256 threads computes a 128x128 tile of C,
+walking K in steps of 32 through a three-stage pipeline (cp.async copies the tile after next while the tensor cores work on this
+one), and each warp multiplies a 64x32 part of it with mma.sync (16x8x16, half in, float accumulate), its operands loaded by
+ldmatrix. Measured on the H200 at those shapes: 239-313 TFLOP/s against tinygrad's 56-73, bit-identical results.
 
-The kernel has no gradient: backprop (the reference baseline) differentiates tinygrad's own matmul, under
-Context(TUNED_MATMUL=0), which is also how to compare the two (`TUNED_MATMUL=0 python ...`).
+The kernel reaches tinygrad as a PROGRAM whose source is this CUDA C: tinygrad compiles it with NVRTC, and the scheduler, the JIT and
+the memory planner treat it like any other kernel. Elsewhere (CPU, AMD, Metal, tinygrad's PTX renderer, older GPUs, shapes the tile
+doesn't divide) `linear` is tinygrad's own matmul. `act` applies an activation to x as the kernel reads it, so that relu(x)^2 of the
+MLP is never written out: it is computed on the fragments in registers, each element once per warp along N.
+
+The kernel has no gradient: backprop (the reference baseline) differentiates tinygrad's own matmul, under Context(TUNED_MATMUL=0),
+which is also how to compare the two (`TUNED_MATMUL=0 python ...`).
 """
-from tinygrad import Device, Tensor, UOp, dtypes
-from tinygrad.codegen.opt import Opt, OptOps
+from tinygrad import Tensor, dtypes
 from tinygrad.helpers import ContextVar
-from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from kernels.cuda import available, program
 
 TUNED_MATMUL = ContextVar("TUNED_MATMUL", 1)
-# tensor cores on the first (N, M) pair of axes, then upcast N by 4, M by 4 and N by 2 again (the heuristic: N by 4, M by 4, locals)
-OPTS = (Opt(OptOps.TC, 0, (-1, 0, 1)), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 2))
-TILE = (128, 64, 16)  # M, N, K that OPTS need to divide: the tensor core's 16x8x16 times the upcasts, and M twice that (at M = 64
-# the M axis is used up, and the next UPCAST lands on the tensor core's own axis: KernelOptError)
+TILE = (128, 128, 32)  # M, N, K of a block's step: the shapes must divide
+ACTS = {"relu2": (lambda t: t.relu().square(), "v = __hmax2(v, __float2half2_rn(0.f)); v = __hmul2(v, v);")}  # tensor op, CUDA on half2 v
 
-def gemm(opts:tuple[Opt, ...]|None):
-  """The kernel C[i, j] = sum_k A[i, k] B[j, k] with float accumulation; opts None leaves it to the device's heuristic."""
-  def kernel(C:UOp, A:UOp, B:UOp) -> UOp:
-    (M, N), K = C.shape, A.shape[1]
-    k, i, j = UOp.range(K, 0, AxisType.REDUCE), UOp.range(M, 1), UOp.range(N, 2)
-    acc = (A[i, k] * B[j, k].cast(A.dtype)).cast(dtypes.float).reduce(k, arg=Ops.ADD)
-    return C[i, j].store(acc.cast(C.dtype)).end(i, j).sink(arg=KernelInfo(name=f"gemm_{M}_{N}_{K}", opts_to_apply=opts))
-  return kernel
+SOURCE = r"""
+#define N {N}
+#define K {K}
+#define BK 32
+#define STAGES 3
+// a tile row is BK halves, 4 chunks of 16 bytes; chunk c of row r is stored at c ^ ((r >> 1) & 3), so that the 8 rows that one
+// ldmatrix phase reads, and the 8 chunks that one cp.async phase writes, fall in 8 different 16-byte bank groups
+__device__ __forceinline__ int swz(int r, int c) {{ return r * BK + ((c ^ ((r >> 1) & 3)) << 3); }}
+__device__ __forceinline__ unsigned act(unsigned u) {{ half2 v = *(half2 *)&u; {ACT} return *(unsigned *)&v; }}
 
-def matmul(x:Tensor, w:Tensor, opts:tuple[Opt, ...]|None=OPTS) -> Tensor:
-  """x [M, K] @ w [N, K].T in x's dtype, as one kernel with these optimizations."""
-  out = Tensor.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-  return out.custom_kernel(x.contiguous(), w.contiguous(), fxn=gemm(opts))[0]
+extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B) {{
+  __shared__ __align__(128) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + (size_t)blockIdx.x * 128 * K;
+  float acc[4][4][4] = {{}};
+  auto load = [&](int stage, int k0) {{  // a 128 x BK tile of each operand: 512 chunks of 16 bytes each, two per thread
+    for (int i = 0; i < 2; i++) {{
+      int c = tid + i * 256, r = c >> 2, ch = c & 3;
+      cp_async(sa + stage * 128 * BK + swz(r, ch), a + (size_t)r * K + k0 + ch * 8);
+      cp_async(sb + stage * 128 * BK + swz(r, ch), b + (size_t)r * K + k0 + ch * 8);
+    }}
+    commit();
+  }};
+  for (int s = 0; s < STAGES - 1; s++) load(s, s * BK);
+  for (int kt = 0; kt < K / BK; kt++) {{
+    wait<STAGES - 2>();  // tile kt has landed
+    __syncthreads();     // ... for every thread, and every warp is done with tile kt - 1, whose stage the next load overwrites
+    if (kt + STAGES - 1 < K / BK) load((kt + STAGES - 1) % STAGES, (kt + STAGES - 1) * BK);
+    else commit();       // an empty group keeps the count that wait relies on
+    const half *ta = sa + kt % STAGES * 128 * BK, *tb = sb + kt % STAGES * 128 * BK;
+    #pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {{
+      unsigned af[4][4], bf[2][4];
+      #pragma unroll
+      for (int mi = 0; mi < 4; mi++) {{  // A, 16 rows x 16 k: lanes 0-15 address rows at k 0, lanes 16-31 at k 8
+        ldsm(af[mi], ta + swz(wm + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        for (int j = 0; j < 4; j++) af[mi][j] = act(af[mi][j]);
+      }}
+      #pragma unroll
+      for (int nj = 0; nj < 2; nj++)  // B, two 8-column tiles x 16 k: matrices (n 0-7, k 0), (n 0-7, k 8), (n 8-15, k 0), (n 8-15, k 8)
+        ldsm(bf[nj], tb + swz(wn + nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+      #pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+        #pragma unroll
+        for (int ni = 0; ni < 4; ni++) mma(acc[mi][ni], af[mi], bf[ni >> 1][(ni & 1) * 2], bf[ni >> 1][(ni & 1) * 2 + 1]);
+    }}
+  }}
+  #pragma unroll
+  for (int mi = 0; mi < 4; mi++)  // lane holds rows lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and the next, of each 16x8 tile
+    #pragma unroll
+    for (int ni = 0; ni < 4; ni++) {{
+      size_t r = (size_t)blockIdx.y * 128 + wm + mi * 16 + (lane >> 2), c = blockIdx.x * 128 + wn + ni * 8 + (lane & 3) * 2;
+      *(unsigned *)(C + r * N + c) = pack(acc[mi][ni][0], acc[mi][ni][1]);
+      *(unsigned *)(C + (r + 8) * N + c) = pack(acc[mi][ni][2], acc[mi][ni][3]);
+    }}
+}}
+"""
+
+def matmul(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
+  """act(x) [M, K] @ w [N, K].T in half, as one kernel."""
+  (M, K), N = x.shape, w.shape[0]
+  name = f"gemm_{M}_{N}_{K}" + (f"_{act}" if act else "")
+  src = SOURCE.format(NAME=name, N=N, K=K, ACT=ACTS[act][1] if act else "")
+  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + N * K + M * N))
+  # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
+  return Tensor.empty(M, N, dtype=dtypes.half, device=x.device).custom_kernel(x, w.cast(dtypes.half), fxn=fxn)[0]
 
 def tuned(x:Tensor, w:Tensor) -> bool:
-  """Whether OPTS apply: half inputs on a device with the 16x8x16 half tensor core (NVIDIA sm_80+), and shapes they divide."""
-  tcs = getattr(Device[x.device].renderer, "tensor_cores", [])
-  has_tc = any(tc.dims == (8, 16, 16) and tc.dtype_in == dtypes.half and tc.dtype_out == dtypes.float for tc in tcs)
-  return bool(TUNED_MATMUL) and has_tc and x.dtype == dtypes.half and all(s % t == 0 for s, t in zip((x.numel() // x.shape[-1], *w.shape), TILE))
+  """Whether the kernel applies: half inputs, a CUDA GPU it runs on (kernels/cuda.py), and shapes the tile divides."""
+  return bool(TUNED_MATMUL) and available(x.device) and x.dtype == dtypes.half and \
+    all(s % t == 0 for s, t in zip((x.numel() // x.shape[-1], *w.shape), TILE))
 
-def linear(x:Tensor, w:Tensor) -> Tensor:
-  """x @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights)."""
-  if not tuned(x, w): return x @ w.cast(x.dtype).T
-  return matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x
+
+def linear(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
+  """act(x) @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights). Materialized either way, so
+  that no reduction downstream (a norm, the loss) recomputes the matmul inside its own loop."""
+  if not tuned(x, w): return (activate(x, act) @ w.cast(x.dtype).T).contiguous()
+  return matmul(x.reshape(-1, x.shape[-1]), w, act).reshape(*x.shape[:-1], w.shape[0])

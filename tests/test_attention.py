@@ -5,6 +5,7 @@ import pytest
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops, UOp
 from kernels.attention import attention, mix, probs, spans
+from kernels.flash import fits
 
 T = 16
 
@@ -82,3 +83,15 @@ def test_half_scores_float32():
   def exps(out:Tensor) -> list[UOp]: return [u for u in out.uop.toposort() if u.op is Ops.EXP2]
   assert exps(out := attention(q, k, v, 3, 5)) and not any(exp_of_half(u) for u in exps(out))
   assert any(exp_of_half(u) for u in exps(half_sdpa(q, k, v, 3)))
+
+@pytest.mark.skipif(not fits(Tensor.empty(1, 1, 128, 64, dtype=dtypes.half), Tensor.empty(1, 1, 128, 64, dtype=dtypes.half)),
+                    reason="kernels/flash.py runs on NVIDIA GPUs (sm_80+) only")
+@pytest.mark.parametrize("W", [0, 100, 384])
+def test_flash(W:int):
+  # the CUDA kernel (run on the GPU machine), 3 blocks of 128 queries: a wrong fragment layout, mask or pipeline stage, or a key block
+  # skipped that a warp sees (W = 100 ends windows inside a block), gives wrong rows
+  rng = np.random.default_rng(W)
+  q, k, v = unit_rms(rng, 2, 3, 384, 64), unit_rms(rng, 2, 3, 384, 64), rng.normal(size=(2, 3, 384, 64))
+  out = attention(*[Tensor(a.astype(np.float16)) for a in (q, k, v)], W).numpy()
+  assert out.dtype == np.float16
+  np.testing.assert_allclose(out.astype(np.float64), reference(q, k, v, W)[0], atol=1e-2)  # half: ~2^-11 relative per value

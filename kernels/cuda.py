@@ -1,0 +1,46 @@
+"""CUDA C kernels inside tinygrad: the pieces that kernels/matmul.py and kernels/flash.py share.
+
+A kernel reaches tinygrad as a PROGRAM whose source is CUDA C: tinygrad compiles it with NVRTC, and its scheduler, JIT and memory
+planner treat it as one of its own kernels. They are used where tinygrad's renderer is CUDA C for an sm_80+ GPU (cp.async, and
+mma.sync at 16x8x16 with half inputs and float accumulation); everywhere else the callers fall back to tinygrad's tensor ops.
+"""
+from tinygrad import Device
+from tinygrad.renderer import Estimates
+from tinygrad.renderer.cstyle import CUDARenderer
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+
+# one warp's tensor-core primitives. A 16x16 half tile of A, or two 8-column tiles of B stored [n][k], is 4 8x8 matrices that
+# ldmatrix loads, each lane giving the address of one row of one matrix; mma.sync multiplies them, accumulating in float.
+PRELUDE = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ unsigned smem(const half *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async(half *dst, const half *src) {  // 16 bytes, global -> shared, without passing registers
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem(dst)), "l"(src));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+template <int n> __device__ __forceinline__ void wait() { asm volatile("cp.async.wait_group %0;" :: "n"(n)); }  // all but n groups landed
+__device__ __forceinline__ void ldsm(unsigned (&r)[4], const half *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem(p)));
+}
+__device__ __forceinline__ void ldsm_t(unsigned (&r)[4], const half *p) {  // transposed: B from a tile stored [k][n]
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem(p)));
+}
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {  // d += a (16x16) b (16x8)
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2half2_rn(x, y); return *(unsigned *)&h; }
+"""
+
+def available(device:str) -> bool:
+  r = Device[device].renderer
+  return isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") and int(r.target.arch[3:]) >= 80
+
+def program(device:str, name:str, src:str, grid:tuple[int, int], threads:int, n_bufs:int, flops:int, nbytes:int):
+  """A custom_kernel fxn: buffer 0 is the output, 1.. the inputs, in the order of the kernel's parameters."""
+  def fxn(*_bufs:UOp) -> UOp:
+    info = ProgramInfo(name, (*grid, 1), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=(0,), ins=tuple(range(1, n_bufs)),
+                       target=Device[device].renderer.target)
+    sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=PRELUDE + src)), arg=info)
+  return fxn

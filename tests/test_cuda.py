@@ -1,0 +1,51 @@
+"""kernels/cuda.py's kernels compile for an H200 and are chosen where they run: on tinygrad's NULL device, compiled but not run, so
+no GPU is needed (their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash)."""
+import importlib.util, os, pathlib, subprocess, sys
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+CHOSEN = """
+from tinygrad import Context, Tensor, dtypes
+from kernels.attention import attention
+from kernels.flash import fits
+from kernels.matmul import linear, tuned
+for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096, 512)):  # the dust preset's linear layers, few tokens
+  x, w = Tensor.empty(1, M, K, dtype=dtypes.half), Tensor.empty(N, K)
+  assert tuned(x, w)
+  for act in (None, "relu2"): assert linear(x, w, act).realize().shape == (1, M, N)  # NVRTC compiles the CUDA source
+  with Context(TUNED_MATMUL=0): assert not tuned(x, w)
+assert not tuned(Tensor.empty(128, 32, dtype=dtypes.half), Tensor.empty(8, 32))  # the value-embedding gate: N = 8 doesn't divide
+assert not tuned(Tensor.empty(64, 512, dtype=dtypes.half), Tensor.empty(512, 512))  # too few tokens for the tile
+assert not tuned(Tensor.empty(128, 128), Tensor.empty(128, 128))                  # float32
+q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
+assert fits(q, q) and not fits(q.float(), q.float()) and not fits(q[..., :32], q[..., :32]) and not fits(q[:, :, :100], q[:, :, :100])
+for W in (1024, 2048): assert attention(q, q, q, W).realize().shape == q.shape  # the dust preset's two windows
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q))
+"""
+ASKED = """
+from tinygrad import Tensor, dtypes
+from kernels.flash import fits
+from kernels.matmul import tuned
+q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q))
+"""
+
+def nvrtc() -> bool:
+  try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
+  except ModuleNotFoundError: return False
+
+def run(renderer:str, code:str) -> subprocess.CompletedProcess:
+  """code on tinygrad's NULL device for sm_90 with this renderer, NVRTC and the CUDA headers from pip."""
+  nvidia = pathlib.Path(importlib.util.find_spec("nvidia").submodule_search_locations[0])
+  env = {**os.environ, "DEV": f"MOCK+NULL:{renderer}:sm_90", "PYTHONPATH": str(ROOT), "CUDA_PATH": str(nvidia / "cuda_runtime"),
+         "LD_LIBRARY_PATH": str(nvidia / "cuda_nvrtc" / "lib")}
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_compiled_for_the_h200():
+  r = run("CUDA", CHOSEN)
+  assert r.returncode == 0 and r.stdout.strip().endswith("chosen True True"), r.stderr[-3000:]
+  # tinygrad's PTX renderer can't compile CUDA C, so there neither kernel may be chosen
+  r = run("PTX", ASKED)
+  assert r.returncode == 0 and r.stdout.strip() == "chosen False False", r.stderr[-3000:]
