@@ -211,9 +211,10 @@ class CleanAttention:
   """The clean attention at depth i, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, its
   probabilities p by block of queries (kernels/attention.py), output o = p u [B, H, T, hd] (and the gate's logits z, the value
   embedding e). A draw recomputes only this attention, never the network: all of it for q and k (in float32: o' - o is a small
-  difference, and on the H200 these chunks measured ~1.8x faster than in half), and for v, gate and ve, which move only u, just
-  p du, with p kept in the model's dtype (tensor cores in half; the product is off by ~2^-11 relative, as no difference is taken).
-  Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can take them as inputs."""
+  difference; on NVIDIA GPUs kernels/flash.py's float32 kernel, and in tensor ops these chunks measured ~1.8x faster than in half),
+  and for v, gate and ve, which move only u, just p du, with p kept in the model's dtype (tensor cores in half; the product is off
+  by ~2^-11 relative, as no difference is taken). Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors,
+  so that a JIT can take them as inputs."""
   def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
 
   @classmethod

@@ -83,7 +83,7 @@ def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping
   return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
 
 def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-  with Context(TUNED_MATMUL=0): loss = model.losses(x, y, params=params).mean()  # kernels/matmul.py's kernel has no gradient
+  with Context(CUDA_KERNELS=0): loss = model.losses(x, y, params=params).mean()  # kernels/cuda.py's kernels have no gradient
   return loss, dict(zip(params, loss.gradient(*params.values())))
 
 def backprop(model, x:Tensor, y:Tensor) -> tuple[dict[str, Tensor], Tensor]:

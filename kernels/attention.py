@@ -8,8 +8,8 @@ with exp and the mask in its epilogue), one sums it, one multiplies it into v an
 in the model's dtype, and read twice; a max-subtracting softmax writes float32 scores and reads them three times.
 
 Rows are taken in blocks of BLOCK queries, and each block multiplies only the keys it can see, [s0 - window, s1): at 2048 tokens
-about half of the T x T products for a full causal window, less for a window of half the context. A flash kernel would also
-keep w out of memory; tensor ops can't, so w of one block is written and read back.
+about half of the T x T products for a full causal window, less for a window of half the context. Tensor ops can't keep w out of
+memory, so w of one block is written and read back; on NVIDIA GPUs `attention` is kernels/flash.py's kernel instead, which doesn't.
 """
 import math
 from tinygrad import Tensor, dtypes
@@ -22,8 +22,9 @@ def weights(q:Tensor, k:Tensor, s0:int, t0:int, window:int, dtype:DType) -> Tens
   """w[s, t] = exp(q_s.k_t / sqrt(hd)) for the queries s0 + i and keys t0 + j that the mask lets through, else 0, in `dtype`.
   q, k: [B, H, n, hd] unit-RMS rows. The scores accumulate in float32 whatever the dtype, as flash attention does."""
   hd = q.shape[-1]
-  # exp(sqrt(hd)) must fit in half (65504 > e^11): a wider head shifts every score down, which the division by w 1 cancels
-  shift = max(0.0, math.sqrt(hd) - 11)
+  # in half, w and the products w v (rounded to half on CUDA before they are summed in float32) must fit under 65504: w is capped at
+  # e^8 ~ 2981, the bound at hd = 64, which leaves |v| up to 22. A wider head shifts every score down, which the division by w 1 cancels
+  shift = max(0.0, math.sqrt(hd) - 8)
   scores = q.matmul(k.transpose(-1, -2), dtype=dtypes.float32) / math.sqrt(hd) - shift
   lag = (Tensor.arange(q.shape[2]) + s0).reshape(-1, 1) - (Tensor.arange(k.shape[2]) + t0).reshape(1, -1)
   return ((lag >= 0) & (lag <= window)).where(scores.exp(), 0).cast(dtype).contiguous()  # contiguous: the two readers don't redo the matmul

@@ -3,8 +3,11 @@
 A kernel reaches tinygrad as a PROGRAM whose source is CUDA C: tinygrad compiles it with NVRTC, and its scheduler, JIT and memory
 planner treat it as one of its own kernels. They are used where tinygrad's renderer is CUDA C for an sm_80+ GPU (cp.async, and
 mma.sync at 16x8x16 with half inputs and float accumulation); everywhere else the callers fall back to tinygrad's tensor ops.
+The kernels have no gradient: backprop (the reference baseline) turns them off with Context(CUDA_KERNELS=0), which is also how to
+compare them with tinygrad's own (`CUDA_KERNELS=0 python ...`).
 """
 from tinygrad import Device
+from tinygrad.helpers import ContextVar
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
@@ -32,14 +35,16 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
 __device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2half2_rn(x, y); return *(unsigned *)&h; }
 """
 
+CUDA_KERNELS = ContextVar("CUDA_KERNELS", 1)
+
 def available(device:str) -> bool:
   r = Device[device].renderer
-  return isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") and int(r.target.arch[3:]) >= 80
+  return bool(CUDA_KERNELS) and isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") and int(r.target.arch[3:]) >= 80
 
-def program(device:str, name:str, src:str, grid:tuple[int, int], threads:int, n_bufs:int, flops:int, nbytes:int):
+def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int):
   """A custom_kernel fxn: buffer 0 is the output, 1.. the inputs, in the order of the kernel's parameters."""
   def fxn(*_bufs:UOp) -> UOp:
-    info = ProgramInfo(name, (*grid, 1), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=(0,), ins=tuple(range(1, n_bufs)),
+    info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=(0,), ins=tuple(range(1, n_bufs)),
                        target=Device[device].renderer.target)
     sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=PRELUDE + src)), arg=info)

@@ -93,15 +93,75 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, c
 }}
 """
 
+# float32, for the local q and k draws, whose o' - o is a small difference: no tensor cores, a thread computes 2 queries x 4 keys of
+# the scores and 2 queries x 8 dims of the output per 32-key step, reading q, k (transposed) and v from shared memory
+SOURCE32 = r"""
+#define T {T}
+#define WINDOW {WINDOW}
+extern "C" __global__ void __launch_bounds__(256) {NAME}(float *__restrict__ O, const float *__restrict__ Q, const float *__restrict__ K,
+                                                          const float *__restrict__ V) {{
+  __shared__ __align__(16) float sq[64][65], skt[64][36], sv[32][64], sp[64][36];  // padded so that a warp's reads hit 32 banks
+  const int tid = threadIdx.x, tx = tid & 7, r0 = (tid >> 3) * 2;  // rows r0, r0 + 1; keys 4 tx..4 tx + 3; dims 8 tx..8 tx + 7
+  const int s0 = (gridDim.x - 1 - blockIdx.x) * 64;
+  const size_t head = (size_t)blockIdx.y * T * 64;
+  for (int c = tid; c < 64 * 16; c += 256) {{
+    const float4 x = *(const float4 *)(Q + head + (size_t)(s0 + (c >> 4)) * 64 + (c & 15) * 4);
+    sq[c >> 4][(c & 15) * 4] = x.x; sq[c >> 4][(c & 15) * 4 + 1] = x.y; sq[c >> 4][(c & 15) * 4 + 2] = x.z; sq[c >> 4][(c & 15) * 4 + 3] = x.w;
+  }}
+  float o[2][8] = {{}}, l[2] = {{}};
+  for (int j = max(0, s0 - WINDOW) / 32; j <= (s0 + 63) / 32; j++) {{
+    for (int c = tid; c < 32 * 16; c += 256) {{  // k transposed, v as it is
+      const size_t at = head + (size_t)(j * 32 + (c >> 4)) * 64 + (c & 15) * 4;
+      const float4 x = *(const float4 *)(K + at);
+      skt[(c & 15) * 4][c >> 4] = x.x; skt[(c & 15) * 4 + 1][c >> 4] = x.y; skt[(c & 15) * 4 + 2][c >> 4] = x.z; skt[(c & 15) * 4 + 3][c >> 4] = x.w;
+      *(float4 *)&sv[c >> 4][(c & 15) * 4] = *(const float4 *)(V + at);
+    }}
+    __syncthreads();
+    float s[2][4] = {{}};
+    for (int d = 0; d < 64; d++) {{
+      const float4 k4 = *(const float4 *)&skt[d][tx * 4];
+      const float q0 = sq[r0][d], q1 = sq[r0 + 1][d];
+      s[0][0] += q0 * k4.x; s[0][1] += q0 * k4.y; s[0][2] += q0 * k4.z; s[0][3] += q0 * k4.w;
+      s[1][0] += q1 * k4.x; s[1][1] += q1 * k4.y; s[1][2] += q1 * k4.z; s[1][3] += q1 * k4.w;
+    }}
+    for (int a = 0; a < 2; a++) {{
+      float e[4];
+      for (int b = 0; b < 4; b++) {{
+        const int lag = s0 + r0 + a - (j * 32 + tx * 4 + b);
+        e[b] = lag >= 0 && lag <= WINDOW ? expf(s[a][b] * {SCALE}f) : 0.f;
+        l[a] += e[b];
+      }}
+      *(float4 *)&sp[r0 + a][tx * 4] = make_float4(e[0], e[1], e[2], e[3]);
+    }}
+    __syncthreads();
+    for (int t = 0; t < 32; t++) {{
+      const float p0 = sp[r0][t], p1 = sp[r0 + 1][t];
+      const float4 va = *(const float4 *)&sv[t][tx * 8], vb = *(const float4 *)&sv[t][tx * 8 + 4];
+      const float v[8] = {{va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w}};
+      for (int c = 0; c < 8; c++) {{ o[0][c] += p0 * v[c]; o[1][c] += p1 * v[c]; }}
+    }}
+    __syncthreads();  // everyone is done with this step's k, v and weights before the next step's overwrite them
+  }}
+  for (int a = 0; a < 2; a++) {{
+    for (int m = 1; m < 8; m <<= 1) l[a] += __shfl_xor_sync(0xffffffff, l[a], m);  // the 8 lanes of a row hold its keys
+    float *out = O + head + (size_t)(s0 + r0 + a) * 64 + tx * 8;
+    *(float4 *)out = make_float4(o[a][0] / l[a], o[a][1] / l[a], o[a][2] / l[a], o[a][3] / l[a]);
+    *(float4 *)(out + 4) = make_float4(o[a][4] / l[a], o[a][5] / l[a], o[a][6] / l[a], o[a][7] / l[a]);
+  }}
+}}
+"""
+
 def fits(q:Tensor, v:Tensor) -> bool:
-  """q, v [B, H, T, hd]: half, hd = 64, T a multiple of the query block, on a GPU that runs kernels/cuda.py's kernels."""
-  return available(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[2] % BQ == 0
+  """q, v [B, H, T, hd]: both half, or both float32, hd = 64, T a multiple of the query block, on a GPU that runs kernels/cuda.py's."""
+  return available(q.device) and q.dtype == v.dtype and q.dtype in (dtypes.half, dtypes.float32) and q.shape[-1] == HD and \
+    q.shape[2] % BQ == 0
 
 def flash(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
-  """softmax(q k^T / sqrt(hd) + mask) v for unit-RMS q and k, [B, H, T, 64] half each -> [B, H, T, 64] half."""
+  """softmax(q k^T / sqrt(hd) + mask) v for unit-RMS q and k, [B, H, T, 64] each, half or float32 -> [B, H, T, 64] in their dtype."""
   B, H, T, _ = q.shape
-  name = f"flash_{B * H}_{T}_{window}"
-  src = SOURCE.format(NAME=name, T=T, WINDOW=window, SCALE=repr(1 / math.sqrt(HD)))
+  half = q.dtype == dtypes.half
+  name = f"flash_{B * H}_{T}_{window}" + ("" if half else "_f32")
+  src = (SOURCE if half else SOURCE32).format(NAME=name, T=T, WINDOW=window, SCALE=repr(1 / math.sqrt(HD)))
   seen = sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask: two matmuls of 2 hd flops each
-  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 4, 4 * HD * B * H * seen, 2 * 4 * B * H * T * HD)
-  return Tensor.empty(B, H, T, HD, dtype=dtypes.half, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]
+  fxn = program(q.device, name, src, (T // (BQ if half else 64), B * H), 256, 4, 4 * HD * B * H * seen, q.dtype.itemsize * 4 * B * H * T * HD)
+  return Tensor.empty(B, H, T, HD, dtype=q.dtype, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]

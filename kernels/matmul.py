@@ -1,26 +1,21 @@
-"""x @ w.T for the linear layers, on NVIDIA tensor cores, as a CUDA C kernel that tinygrad compiles and schedules like its own.
+"""x @ w.T for the linear layers, on NVIDIA tensor cores, as a CUDA C kernel (kernels/cuda.py).
 
 tinygrad's matmul kernels load their operands from global memory straight into registers: on the H200, at the linear layers' shapes
-(M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation), 56-58 TFLOP/s by default and 102-110
+(M = 131,072 tokens, N of 512 to 4,096, K of 512 or 2,048, half inputs, float accumulation), 72-77 TFLOP/s by default and 101-110
 with the best options a BEAM search found (the previous version of this file fixed those). A GEMM as GPUs like it stages tiles of
 both operands in shared memory, where every warp of the block reuses them: each block of 256 threads computes a 128x128 tile of C,
 walking K in steps of 32 through a three-stage pipeline (cp.async copies the tile after next while the tensor cores work on this
 one), and each warp multiplies a 64x32 part of it with mma.sync (16x8x16, half in, float accumulate), its operands loaded by
-ldmatrix. Measured on the H200 at those shapes: 239-313 TFLOP/s against tinygrad's 56-73, bit-identical results.
+ldmatrix. On the H200 at those shapes it runs at 242-282 TFLOP/s (kernel times in a Dust chunk, `DEBUG=2`), with results
+bit-identical to tinygrad's matmul at the four shapes.
 
-The kernel reaches tinygrad as a PROGRAM whose source is this CUDA C: tinygrad compiles it with NVRTC, and the scheduler, the JIT and
-the memory planner treat it like any other kernel. Elsewhere (CPU, AMD, Metal, tinygrad's PTX renderer, older GPUs, shapes the tile
-doesn't divide) `linear` is tinygrad's own matmul. `act` applies an activation to x as the kernel reads it, so that relu(x)^2 of the
+Where kernels/cuda.py's kernels don't run (CPU, AMD, Metal, tinygrad's PTX renderer, older GPUs), and for shapes the tile doesn't
+divide, `linear` is tinygrad's own matmul. `act` applies an activation to x as the kernel reads it, so that relu(x)^2 of the
 MLP is never written out: it is computed on the fragments in registers, each element once per warp along N.
-
-The kernel has no gradient: backprop (the reference baseline) differentiates tinygrad's own matmul, under Context(TUNED_MATMUL=0),
-which is also how to compare the two (`TUNED_MATMUL=0 python ...`).
 """
 from tinygrad import Tensor, dtypes
-from tinygrad.helpers import ContextVar
 from kernels.cuda import available, program
 
-TUNED_MATMUL = ContextVar("TUNED_MATMUL", 1)
 TILE = (128, 128, 32)  # M, N, K of a block's step: the shapes must divide
 ACTS = {"relu2": (lambda t: t.relu().square(), "v = __hmax2(v, __float2half2_rn(0.f)); v = __hmul2(v, v);")}  # tensor op, CUDA on half2 v
 
@@ -93,7 +88,7 @@ def matmul(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
 
 def tuned(x:Tensor, w:Tensor) -> bool:
   """Whether the kernel applies: half inputs, a CUDA GPU it runs on (kernels/cuda.py), and shapes the tile divides."""
-  return bool(TUNED_MATMUL) and available(x.device) and x.dtype == dtypes.half and \
+  return available(x.device) and x.dtype == dtypes.half and \
     all(s % t == 0 for s, t in zip((x.numel() // x.shape[-1], *w.shape), TILE))
 
 def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x

@@ -10,7 +10,8 @@
 Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
 allocated before it (the parameters, the batch): what the step itself needs.
 """
-import argparse, contextlib, os, sys, time
+import argparse, contextlib, importlib.util, json, os, subprocess, sys, tempfile, time
+from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
@@ -57,10 +58,17 @@ def forward_bench(model, x:Tensor, y:Tensor) -> dict[str, float]:
   return {"clean fwd tok/s": x.numel() / tc, "jittered fwd tok/s": x.numel() / tj, "ratio": tc / tj, "clean fwd MiB": mc / 2**20}
 
 def torch_reference(model, x:Tensor, y:Tensor):
-  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column."""
-  try: import torch_ref
-  except ImportError: return print("torch.compile fwd: torch is not importable here", flush=True)
-  tok_s, loss = torch_ref.forward_tok_s(model, x.numpy(), y.numpy())
+  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column. It runs
+  in a process of its own: in this one tinygrad's CUDA context is the current one, and torch's kernels fail to launch ("CUDA driver
+  error: invalid resource handle")."""
+  if importlib.util.find_spec("torch") is None: return print("torch.compile fwd: torch is not importable here", flush=True)
+  with tempfile.TemporaryDirectory() as d:
+    arrays = {n: p.numpy() for n, p in model.params.items()} | {"cos": model.cos.numpy(), "sin": model.sin.numpy()}
+    np.savez(f"{d}/in.npz", x=x.numpy(), y=y.numpy(), **arrays)
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_ref.py"), f"{d}/in.npz", json.dumps(asdict(model.cfg))],
+                       capture_output=True, text=True)
+  if r.returncode: return print(f"torch.compile fwd: failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+  tok_s, loss = map(float, r.stdout.split()[-2:])
   ours = model.losses(x, y).mean().item()
   print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
 
@@ -128,7 +136,7 @@ def main():
   f = forward_bench(model, x, y)
   def row(f:dict[str, float]) -> str: return " | ".join(f"{k} {v:,.3f}" for k, v in f.items())
   print(row(f), flush=True)
-  with Context(TUNED_MATMUL=0): print("tinygrad's matmul: " + row(forward_bench(model, x, y)), flush=True)  # kernels/matmul.py off
+  with Context(CUDA_KERNELS=0): print("tinygrad's kernels: " + row(forward_bench(model, x, y)), flush=True)  # kernels/cuda.py's off
   torch_reference(model, x, y)
   resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
   print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)

@@ -1,12 +1,16 @@
 """kernels/cuda.py's kernels compile for an H200 and are chosen where they run: on tinygrad's NULL device, compiled but not run, so
-no GPU is needed (their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash)."""
+no GPU is needed. Their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash, test_loss here."""
 import importlib.util, os, pathlib, subprocess, sys
+import numpy as np
 import pytest
+from tinygrad import Tensor, dtypes
+from kernels.loss import fits, softcapped_loss
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CHOSEN = """
 from tinygrad import Context, Tensor, dtypes
+from kernels import loss
 from kernels.attention import attention
 from kernels.flash import fits
 from kernels.matmul import linear, tuned
@@ -14,21 +18,27 @@ for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096,
   x, w = Tensor.empty(1, M, K, dtype=dtypes.half), Tensor.empty(N, K)
   assert tuned(x, w)
   for act in (None, "relu2"): assert linear(x, w, act).realize().shape == (1, M, N)  # NVRTC compiles the CUDA source
-  with Context(TUNED_MATMUL=0): assert not tuned(x, w)
+  with Context(CUDA_KERNELS=0): assert not tuned(x, w)
 assert not tuned(Tensor.empty(128, 32, dtype=dtypes.half), Tensor.empty(8, 32))  # the value-embedding gate: N = 8 doesn't divide
 assert not tuned(Tensor.empty(64, 512, dtype=dtypes.half), Tensor.empty(512, 512))  # too few tokens for the tile
 assert not tuned(Tensor.empty(128, 128), Tensor.empty(128, 128))                  # float32
 q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
-assert fits(q, q) and not fits(q.float(), q.float()) and not fits(q[..., :32], q[..., :32]) and not fits(q[:, :, :100], q[:, :, :100])
-for W in (1024, 2048): assert attention(q, q, q, W).realize().shape == q.shape  # the dust preset's two windows
-print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q))
+assert fits(q, q) and fits(q.float(), q.float()) and not fits(q, q.float()) and not fits(q[..., :32], q[..., :32])
+assert not fits(q[:, :, :100], q[:, :, :100])
+for W in (1024, 2048):  # the dust preset's two windows, in half and in float32
+  for t in (q, q.float()): assert attention(t, t, t, W).realize().shape == q.shape
+z, y = Tensor.empty(8, 16, 4096, dtype=dtypes.half), Tensor.empty(8, 16, dtype=dtypes.int32)
+assert loss.fits(z) and not loss.fits(z.float()) and not loss.fits(z[..., :100]) and not loss.fits(z[:1, :3])
+assert loss.softcapped_loss(z, y, 15.0).realize().shape == (8, 16)
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z))
 """
 ASKED = """
 from tinygrad import Tensor, dtypes
+from kernels import loss
 from kernels.flash import fits
 from kernels.matmul import tuned
 q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
-print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q))
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(q))
 """
 
 def nvrtc() -> bool:
@@ -45,7 +55,17 @@ def run(renderer:str, code:str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
 def test_compiled_for_the_h200():
   r = run("CUDA", CHOSEN)
-  assert r.returncode == 0 and r.stdout.strip().endswith("chosen True True"), r.stderr[-3000:]
-  # tinygrad's PTX renderer can't compile CUDA C, so there neither kernel may be chosen
+  assert r.returncode == 0 and r.stdout.strip().endswith("chosen True True True"), r.stderr[-3000:]
+  # tinygrad's PTX renderer can't compile CUDA C, so there no kernel may be chosen
   r = run("PTX", ASKED)
-  assert r.returncode == 0 and r.stdout.strip() == "chosen False False", r.stderr[-3000:]
+  assert r.returncode == 0 and r.stdout.strip() == "chosen False False False", r.stderr[-3000:]
+
+@pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half)), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
+def test_loss():
+  # the loss kernel (run on the GPU machine) against float64: a lane's values misplaced, the max or the sum reduced over part of the
+  # warp, or the target's logit taken from another row fails; logits up to +-40 are softcapped into (-15, 15)
+  rng = np.random.default_rng(0)
+  z, y = (rng.normal(size=(4, 8, 4096)) * 10).astype(np.float16), rng.integers(0, 4096, (4, 8)).astype(np.int32)
+  c = 15 * np.tanh(z.astype(np.float64) / 15)
+  ref = np.log(np.exp(c).sum(-1)) - np.take_along_axis(c, y[..., None], -1)[..., 0]
+  np.testing.assert_allclose(softcapped_loss(Tensor(z), Tensor(y), 15.0).numpy(), ref, rtol=1e-5)

@@ -13,10 +13,11 @@ def rope(x:torch.Tensor, cos:torch.Tensor, sin:torch.Tensor) -> torch.Tensor:
   return torch.cat([a * cos + b * sin, b * cos - a * sin], dim=-1)
 
 class GPT:
-  def __init__(self, model, device:str, dtype:torch.dtype):
-    self.cfg, self.dtype = model.cfg, dtype
-    self.p = {n: torch.from_numpy(t.numpy()).to(device) for n, t in model.params.items()}
-    self.cos, self.sin = [torch.from_numpy(t.numpy()).to(device) for t in (model.cos, model.sin)]
+  def __init__(self, cfg, arrays:dict[str, np.ndarray], device:str, dtype:torch.dtype):
+    """cfg: model.GPTConfig; arrays: the parameters by name, and the RoPE tables "cos" and "sin" (model.GPT's)."""
+    self.cfg, self.dtype = cfg, dtype
+    self.p = {n: torch.from_numpy(a).to(device) for n, a in arrays.items() if n not in ("cos", "sin")}
+    self.cos, self.sin = [torch.from_numpy(arrays[n]).to(device) for n in ("cos", "sin")]
     T = self.cfg.seq_len
     lag = torch.arange(T, device=device).reshape(T, 1) - torch.arange(T, device=device).reshape(1, T)
     self.masks = {w: (lag >= 0) & (lag <= w) for w in {self.cfg.window(i) for i in range(self.cfg.n_layer)}}
@@ -47,10 +48,10 @@ class GPT:
     c = self.cfg.softcap * torch.tanh(z / self.cfg.softcap)
     return F.cross_entropy(c.reshape(-1, c.shape[-1]), targets.reshape(-1), reduction="none").reshape(targets.shape)
 
-def forward_tok_s(model, x:np.ndarray, y:np.ndarray, n:int=10) -> tuple[float, float]:
+def forward_tok_s(cfg, arrays:dict[str, np.ndarray], x:np.ndarray, y:np.ndarray, n:int=10) -> tuple[float, float]:
   """(clean forward tokens/s under torch.compile, its mean loss) on the GPU if there is one, else the CPU."""
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  ref = GPT(model, device, torch.float16 if device == "cuda" else torch.float32)
+  ref = GPT(cfg, arrays, device, torch.float16 if device == "cuda" else torch.float32)
   xt, yt = (torch.from_numpy(a.astype(np.int64)).to(device) for a in (x, y))
   with torch.no_grad():
     f = torch.compile(ref.losses)
@@ -60,4 +61,12 @@ def forward_tok_s(model, x:np.ndarray, y:np.ndarray, n:int=10) -> tuple[float, f
     for _ in range(n): f(xt, yt)
     if device == "cuda": torch.cuda.synchronize()
   return x.size * n / (time.perf_counter() - st), loss
+
+if __name__ == "__main__":  # tests/bench.py: python torch_ref.py in.npz config.json; in.npz: the batch x, y and GPT's arrays
+  import json, os, sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from model import GPTConfig  # the config only: no tinygrad device is opened in this process
+  data = dict(np.load(sys.argv[1]))
+  x, y = data.pop("x"), data.pop("y")
+  print(*forward_tok_s(GPTConfig(**json.loads(sys.argv[2])), data, x, y))
 
