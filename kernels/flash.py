@@ -6,13 +6,14 @@ the mask, rounded to half, then o += w v with w taken straight from S's register
 operand layout, two 8-key tiles to one 16-key step), and the row sums of w on the side. QK-norm bounds every score by sqrt(hd), so
 exp needs no running max and nothing is rescaled (kernels/attention.py); the result is the tensor version's, summed in another order.
 Key blocks that a warp's queries can't see are skipped. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and
-v fill the 48 KB of static shared memory.
+v fill the 48 KB of static shared memory. A float32 version (SOURCE32), for the Dust draws that take a difference of two attention
+outputs, runs on the CUDA cores.
 """
 import math
 from tinygrad import Tensor, dtypes
 from kernels.cuda import available, program
 
-HD, BQ, BKV = 64, 128, 64  # head dim, queries per block, keys per step
+HD, BQ = 64, 128  # head dim, queries per block (of the half kernel; the float32 one takes 64)
 
 SOURCE = r"""
 #define T {T}
