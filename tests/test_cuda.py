@@ -37,8 +37,8 @@ from tinygrad import Tensor, dtypes
 from kernels import loss
 from kernels.flash import fits
 from kernels.matmul import tuned
-q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
-print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(q))
+q, z = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half), Tensor.empty(8, 16, 4096, dtype=dtypes.half)  # shapes the kernels take
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z))
 """
 
 def nvrtc() -> bool:
