@@ -20,8 +20,9 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from kernels.attention import attention, mix, probs, spans
 from kernels.noise import key as root_key, fold, gaussian
+from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
-from model import GPTConfig, jitted, release, rms, rope, softcap
+from model import GPTConfig, jitted, release, softcap
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
 
@@ -111,13 +112,13 @@ def chunk_keys(key:int, n_blocks:int, n_chunks:int) -> np.ndarray:
 
 def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], args:Iterable[tuple[Tensor, ...]], *inputs,
                **static) -> list[Tensor]:
-  """Sum chunk(model, *a, *inputs, **static) over the chunks' args a (a key, and the head's slab). The chunk runs as one TinyJit that
+  """Sum chunk(model, *a, *inputs, **static) over the chunks' args a (their keys). The chunk runs as one TinyJit that
   lives across steps: every tensor it reads is an input (the batch, the capture, the weights, the sums), so the next step's tensors
   take the place of this step's and nothing is traced or compiled again, and the sums are updated in place (TINYGRAD.md §2). The
   JIT's scratch buffers are freed after its group, so the update's ~60 JITs never hold their activations at the same time."""
   args = list(args)
-  Tensor.realize(*[t for a in args for t in a])  # every chunk's key uploaded at once: each realize walks all live tensors (host time)
-  acc = [Tensor.zeros(*s, device=args[0][0].device).contiguous().realize() for s in shapes]  # where the chunks' keys are
+  acc = [Tensor.zeros(*s, device=args[0][0].device).contiguous() for s in shapes]  # where the chunks' keys are
+  Tensor.realize(*acc, *[t for a in args for t in a])  # and every chunk's key uploaded, at once: each realize walks all live tensors
   jit = jitted(summed, model, tuple(shapes), chunk=chunk, **static)
   for a in args: jit(*a, *inputs, acc)
   release(jit)
@@ -145,8 +146,8 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
-  stream = model.stream(rec) if rerun == "block" else {}
-  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], keyed(keys, x.device), x, y, stream, model.params,
+  stream, params = model.rerun_inputs(rec, sites) if rerun == "block" else ({}, model.params)
+  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], keyed(keys, x.device), x, y, stream, params,
                  sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun)
   return {recorded(model, sites[j], d): e / (nrep * len(keys)) for (j, d, _), e in zip(outs, E)}
 
@@ -175,27 +176,28 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, keys:np.ndar
   c, hit = softcap(z, model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
   slab_sum = c.exp().reshape(B, T, S, W).sum(-1)  # |c| <= cap, so exp needs no max-subtraction
   c_y = (c * hit).sum(-1)
-  clean = {"z": z.reshape(B, T, S, W), "hit": hit.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
+  clean = {"z": z.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
   Tensor.realize(*clean.values())
-  onehot = [Tensor(np.eye(S, dtype=np.float32)[j], device=z.device).realize() for j in range(S)]
-  args = ((Tensor(k, device=z.device), onehot[m % S]) for m, k in enumerate(keys))
-  (E,) = accumulate(head_chunk, model, [(B, T, V)], args, clean, sigma=sigma, nrep=nrep)
-  return E / (nrep * len(keys) // S)  # the draws each slab received
+  cycles = keys.reshape(-1, S, *keys.shape[1:])  # a JIT call per cycle over the slabs: the head's chunks are too short for one each
+  (E,) = accumulate(head_chunk, model, [(B, T, S, W)], keyed(cycles, z.device), clean, y, sigma=sigma, nrep=nrep)
+  return E.reshape(B, T, V) / (nrep * len(keys) // S)  # the draws each slab received
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
 
-def head_chunk(model, k:Tensor, slab:Tensor, clean:dict[str, Tensor], sigma:float, nrep:int) -> list[Tensor]:
-  """One chunk of `head_error` on slab `slab` (one-hot [S]); clean: the capture's raw logits z and one-hot targets hit, as
-  [B, T, S, W] slabs, and the softcapped logits' exp-sums per slab, target logit and loss."""
+def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float, nrep:int) -> list[Tensor]:
+  """S chunks of `head_error`, chunk m on slab m with key ks[m]; clean: the capture's raw logits z as [B, T, S, W] slabs, and the
+  softcapped logits' exp-sums per slab, target logit and loss."""
   B, T, S, W = clean["z"].shape
-  def pick(t:Tensor) -> Tensor: return (t * slab.reshape(S, 1)).sum(2)
-  a = gaussian(k, (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
-  c2, h = softcap(pick(clean["z"]) + sigma * a, model.cfg.softcap).contiguous(), pick(clean["hit"])
-  target = (h.sum(-1) > 0).where((c2 * h).sum(-1), clean["c_y"])
   slab_sum = clean["slab_sum"]
-  reward = clean["loss0"] - ((slab_sum.sum(-1) - (slab_sum * slab).sum(-1) + c2.exp().sum(-1)).log() - target)
-  if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
-  return [(-(reward.unsqueeze(-1) * a).sum(0) / sigma).unsqueeze(2).mul(slab.reshape(S, 1)).reshape(B, T, S * W)]
+  def slab(m:int) -> Tensor:
+    a = gaussian(ks[m], (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
+    c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
+    col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
+    target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
+    reward = clean["loss0"] - ((slab_sum.sum(-1) - slab_sum[:, :, m] + c2.exp().sum(-1)).log() - target)
+    if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
+    return -(reward.unsqueeze(-1) * a).sum(0) / sigma
+  return [Tensor.stack(*[slab(m).realize() for m in range(S)], dim=2)]  # a slab at a time: one slab's draws in memory
 
 # ***** attention internals: local errors against the hub targets (§3.5) *****
 
@@ -208,8 +210,8 @@ def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i ha
   return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
 
 class CleanAttention:
-  """The clean attention at depth i, heads split: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e, its
-  probabilities p by block of queries (kernels/attention.py), output o = p u [B, H, T, hd] (and the gate's logits z, the value
+  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e,
+  its probabilities p by block of queries (kernels/attention.py), output o = p u [B, T, H, hd] (and the gate's logits z, the value
   embedding e). A draw recomputes only this attention, never the network: all of it for q and k (in float32: o' - o is a small
   difference; on NVIDIA GPUs kernels/flash.py's float32 kernel, and in tensor ops these chunks measured ~1.8x faster than in half),
   and for v, gate and ve, which move only u, just p du, with p kept in the model's dtype (tensor cores in half; the product is off
@@ -231,8 +233,8 @@ class CleanAttention:
     return [self.t[f"p{j}"] for j in range(len(spans(self.t["q"].shape[1], self.window)))]
 
   def heads(self, t:Tensor) -> Tensor: return t.float().reshape(*t.shape[:2], self.model.cfg.n_head, -1)
-  def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, heads first
-    return rms(rope(t, self.model.cos[:t.shape[1]], self.model.sin[:t.shape[1]])).transpose(1, 2)
+  def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, in float32
+    return qk_norm(t, self.model.cos[:t.shape[1]], self.model.sin[:t.shape[1]], dtypes.float32)
 
   def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
@@ -240,11 +242,10 @@ class CleanAttention:
     # memory plan then reuses one draw's T x T buffers for the next)
     if kind in ("q", "k"): return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])
     t = {name: tile(v, n) for name, v in self.t.items()}
-    a = a.transpose(1, 2)
     du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(t["z"]).unsqueeze(-1),  # exact by linearity in u
           "gate": lambda: (gate(t["z"] + sigma * a) - gate(t["z"] - sigma * a)).unsqueeze(-1) * t["e"]}[kind]()
-    # the clean probabilities, reused by every draw; du materialized, so its noise is made once and not in the matmul's loop
-    return mix(self.probs(), du.cast(self.model.dtype).contiguous(), self.window)
+    # the clean probabilities, reused by every draw; mix materializes du, so its noise is made once and not in the matmul's loop
+    return mix(self.probs(), du, self.window)
 
   def rerun(self, kind:str, a:Tensor, sigma:float) -> Tensor:
     """o' - o for one draw of q or k: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of T x T
@@ -258,8 +259,8 @@ def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Te
   records: its outputs must own their buffers, as a view of an input would show the input of the call that the JIT captured."""
   att, r = CleanAttention(model, depth, {}), {kind: t.float().clone() for kind, t in records.items()}
   t = {kind: att.heads(r[kind]) for kind in ("q", "k")}
-  u = att.heads(r["v"]).transpose(1, 2)
-  if "ve" in r: t["z"], t["e"] = r["gate"].transpose(1, 2), att.heads(r["ve"]).transpose(1, 2)
+  u = att.heads(r["v"])
+  if "ve" in r: t["z"], t["e"] = r["gate"], att.heads(r["ve"])
   t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if "ve" in r else u
   t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
   t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
@@ -283,8 +284,8 @@ def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:st
   B, T, H, hd = clean["q"].shape
   shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
   a = gaussian(fold(k, 0), shape)
-  score = (att.delta(kind, a, sigma, nrep) * tile(target.reshape(B, T, H, hd).transpose(1, 2), nrep)).sum(-1)  # [n B, H, T]
-  R = (score if kind == "q" else score @ credit(T, att.window, gamma).T).transpose(1, 2)
+  score = (att.delta(kind, a, sigma, nrep) * tile(target.reshape(B, T, H, hd), nrep)).sum(-1)  # [n B, T, H]
+  R = score if kind == "q" else credit(T, att.window, gamma) @ score
   return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(nrep, B, T, -1).sum(0) / divisor]
 
 # ***** residual-mix scalars: two-sided weight-space ES (§3.7) *****

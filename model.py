@@ -6,6 +6,7 @@ pass can start at the first jittered block instead of the embedding (`losses(...
 """
 from __future__ import annotations
 import itertools, math
+from typing import Iterable
 from dataclasses import dataclass, replace
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
@@ -16,6 +17,7 @@ from kernels.attention import attention
 from kernels.loss import fits, softcapped_loss
 from kernels.matmul import activate, linear
 from kernels.noise import fold, gaussian
+from kernels.norm import norm, qk_norm, rms
 
 # tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
 # and UOps are hash-consed: a new buffer with a placeholder's number and size *is* that placeholder, which the schedule cache keeps
@@ -62,13 +64,7 @@ class LoopedConfig:
     if name not in presets: raise ValueError(f"unknown Looped preset {name!r}; choose one of {', '.join(presets)}")
     return replace(presets[name], **overrides)
 
-def rms(x:Tensor, eps:float=1e-6) -> Tensor: return x * (x.float().square().mean(-1, keepdim=True) + eps).rsqrt().cast(x.dtype)
-
 def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()  # smoothly into (-cap, cap)
-
-def rope(x:Tensor, cos:Tensor, sin:Tensor) -> Tensor:  # x [B, T, H, hd]; rotate the halves (a, b) -> (a cos + b sin, -a sin + b cos)
-  a, b = x.chunk(2, dim=-1)
-  return (a * cos + b * sin).cat(b * cos - a * sin, dim=-1)
 
 def init_params(shapes:dict[str, tuple[tuple[int, ...], str, float]], seed:int) -> dict[str, Tensor]:
   """shapes: name -> (shape, kind, scale). Drawn with NumPy so the same seed gives the same weights on every backend."""
@@ -85,6 +81,12 @@ def block_shapes(pre:str, d:int, n_head:int, ve:bool) -> dict[str, tuple[tuple[i
           **({f"{pre}.attn.ve_gate.weight": ((n_head, min(32, d)), "const", 0.0)} if ve else {}),
           f"{pre}.attn.c_proj.weight": ((d, d), "uniform", 1.5 * s), f"{pre}.mlp.c_fc.weight": ((4 * d, d), "uniform", s),
           f"{pre}.mlp.c_proj.weight": ((d, 4 * d), "uniform", 1.5 * math.sqrt(3 / (4 * d)))}
+
+def block_of(name:str) -> int|None:
+  """The block of a site or parameter name (transformer.h.3.mlp.c_fc, value_embeds.3, o@3), None outside the blocks."""
+  if name.startswith("o@"): return int(name.split("@")[1])
+  if name.startswith(("transformer.h.", "value_embeds.")): return int(name.split(".")[1 if name.startswith("value_embeds") else 2])
+  return None
 
 class Pass:
   """One forward pass: reads weights in the compute dtype, adds the jitter at sites, records sites when capturing.
@@ -158,11 +160,15 @@ class GPT:
     Tensor.realize(loss, *[t for t in rec.values() if t is not None])
     return loss, rec
 
-  @staticmethod
-  def stream(rec:dict[str, Tensor]) -> dict[str, Tensor]:
-    """The part of a capture that a rerun from a block reads (`get` below): the embedding and the stream around each block's mix;
-    x.0 is x0 itself, left out so that every entry is its own buffer (a JIT takes these as inputs)."""
-    return {n: t for n, t in rec.items() if n == "x0" or n.startswith(("x.", "h.", "o@")) and n != "x.0"}
+  def rerun_inputs(self, rec:dict[str, Tensor], sites:Iterable[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """What a pass that jitters `sites` and starts from the capture `rec` reads: (the capture's entries at its first block that `get`
+    below reads, the parameters from that block on). A JIT takes every tensor it is given as an input and prepares each at every
+    call, ~0.1 ms of host time apiece on the H200's host: a Dust chunk at the last block reads 2 of the 24 entries and 11 of 70 weights."""
+    start, _ = self.entry(sites)
+    if start == -1: return {}, self.params
+    stream = {n: rec[n] for n in ("x0", f"x.{start}", f"h.{start}", f"o@{start}") if n in rec and n != "x.0"}  # x.0 is x0 itself
+    return stream, {n: p for n, p in self.params.items() if (b := block_of(n)) is not None and b >= start or
+                    b is None and n != "transformer.wte.weight"}
 
   def _forward(self, idx:Tensor, targets:Tensor, p:Pass, cache:dict|None) -> Tensor:
     start, skip_attn = self.entry(p.jitter) if cache is not None else (0, False)
@@ -182,13 +188,13 @@ class GPT:
     if p.rec is not None: p.rec[f"x.{self.n_blocks}"] = x
     return self.head(p, x, targets)
 
-  def entry(self, jitter:dict) -> tuple[int, bool]:
+  def entry(self, jitter:Iterable[str]) -> tuple[int, bool]:
     """Where a jittered pass must start: (-1, _) for the embedding, else (first block, whether its attention can be reused)."""
     first, attn = self.n_blocks, False
     for name in jitter:
       if name == "transformer.wte": return -1, False
       if name == "lm_head": continue
-      i = int(name.split("@")[1]) if name.startswith("o@") else int(name.split(".")[1 if name.startswith("value_embeds") else 2])
+      i = block_of(name)
       post = name.startswith("o@") or name.endswith(("attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
       if i < first: first, attn = i, not post
       elif i == first: attn = attn or not post
@@ -200,11 +206,11 @@ class GPT:
     if resume is None:
       h = p.scale("resid_lambdas", lam, x) + p.scale("x0_lambdas", lam, x0)
       if p.rec is not None: p.rec[f"h.{i}"] = h
-      y = self.attn(p, i, pre, rms(h).cast(self.dtype), idx)
+      y = self.attn(p, i, pre, norm(h, self.dtype), idx)
     else: h, y = resume
-    a = h + p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y)).float()
-    hid = p.linear(f"{pre}.mlp.c_fc", rms(a).cast(self.dtype))
-    return (a + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()).contiguous()
+    proj = p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y))
+    hid = p.linear(f"{pre}.mlp.c_fc", norm(h, self.dtype, proj))  # rms(h + proj), the sum read once on NVIDIA GPUs (kernels/norm.py)
+    return (h + proj.float() + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()).contiguous()
 
   def attn(self, p:Pass, i:int, pre:str, n:Tensor, idx:Tensor) -> Tensor:
     B, T, d = n.shape
@@ -214,15 +220,13 @@ class GPT:
       e = p.embed(f"value_embeds.{i}", idx).reshape(B, T, H, d // H)
       z = p.linear(f"{pre}.attn.ve_gate", n[..., :min(32, d)])
       v = v + (2 * z.float().sigmoid()).cast(self.dtype).unsqueeze(-1) * e
-    cos, sin = self.cos[:T], self.sin[:T]
-    q, k = rms(rope(q.float(), cos, sin)), rms(rope(k.float(), cos, sin))
-    y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window(i))
-    return y.transpose(1, 2).reshape(B, T, d).contiguous()
+    q, k = [qk_norm(t, self.cos[:T], self.sin[:T], self.dtype) for t in (q, k)]  # RoPE, then QK-norm
+    return attention(q, k, v, self.window(i)).reshape(B, T, d)
 
   def head(self, p:Pass, x:Tensor, targets:Tensor) -> Tensor:
     p.depth = None
-    z = p.linear("lm_head", rms(x).cast(self.dtype))
-    if fits(z): return softcapped_loss(z, targets, self.cfg.softcap)  # one CUDA kernel on NVIDIA GPUs (kernels/loss.py)
+    z = p.linear("lm_head", norm(x, self.dtype))
+    if fits(z, self.cfg.softcap): return softcapped_loss(z, targets, self.cfg.softcap)  # one CUDA kernel on NVIDIA GPUs (kernels/loss.py)
     c = softcap(z.float(), self.cfg.softcap)
     # contiguous: a consumer that sums the losses would otherwise fuse the vocab reductions into its own (8.5 s, not 1 ms, on the H200)
     return (c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).contiguous()
@@ -244,7 +248,7 @@ class Looped(GPT):
   def window(self, i:int) -> int: return self.cfg.seq_len
   def tag(self, i:int|None) -> str: return "" if i is None else f"@{i}"
   def site_key(self, key:Tensor, i:int|None) -> Tensor: return key if i is None else fold(key, i)
-  def entry(self, jitter:dict) -> tuple[int, bool]: return -1, False  # every loop is jittered: rerun from the embedding
+  def entry(self, jitter:Iterable[str]) -> tuple[int, bool]: return -1, False  # every loop is jittered: rerun from the embedding
 
   def block(self, p:Pass, i:int, x:Tensor, x0:Tensor, idx:Tensor, resume:tuple[Tensor, Tensor]|None=None) -> Tensor:
     """A pass that nothing differentiates (perturbed weights or jittered sites: the ZO estimators) is realized loop by loop. Run

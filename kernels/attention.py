@@ -10,6 +10,7 @@ in the model's dtype, and read twice; a max-subtracting softmax writes float32 s
 Rows are taken in blocks of BLOCK queries, and each block multiplies only the keys it can see, [s0 - window, s1): at 2048 tokens
 about half of the T x T products for a full causal window, less for a window of half the context. Tensor ops can't keep w out of
 memory, so w of one block is written and read back; on NVIDIA GPUs `attention` is kernels/flash.py's kernel instead, which doesn't.
+q, k and v come in as the projections lay them out, [B, T, H, hd]: the CUDA kernel reads them so, the tensor ops take heads first.
 """
 import math
 from tinygrad import Tensor, dtypes
@@ -35,28 +36,30 @@ def spans(T:int, window:int, block:int=BLOCK) -> list[tuple[int, int, int]]:
 
 def probs(q:Tensor, k:Tensor, window:int, dtype:DType, block:int=BLOCK) -> list[Tensor]:
   """The attention probabilities by block of queries (spans), [B, H, s1 - s0, s1 - t0] each, normalized in float32 and kept in
-  `dtype`, to be applied to many value changes (mix). q, k: [B, H, T, hd], unit RMS."""
-  q, k = q.float().contiguous(), k.float().contiguous()
+  `dtype`, to be applied to many value changes (mix). q, k: [B, T, H, hd], unit RMS."""
+  q, k = [t.transpose(1, 2).float().contiguous() for t in (q, k)]
   def rows(s0:int, s1:int, t0:int) -> Tensor:
     w = weights(q[:, :, s0:s1], k[:, :, t0:s1], s0, t0, window, dtypes.float32)
     return (w / w.sum(-1, keepdim=True)).cast(dtype).contiguous()
   return [rows(*s) for s in spans(q.shape[2], window, block)]
 
 def mix(p:list[Tensor], v:Tensor, window:int, block:int=BLOCK) -> Tensor:
-  """p v for probabilities by block (probs) and values v [B', H, T, hd], B' a multiple of p's batch -> [B', H, T, hd] float32."""
+  """p v for probabilities by block (probs) and values v [B', T, H, hd], B' a multiple of p's batch -> [B', T, H, hd] float32."""
   n = v.shape[0] // p[0].shape[0]
+  v = v.transpose(1, 2).cast(p[0].dtype).contiguous()  # heads first, made once (with whatever v is computed from): every block reads it
   def rows(pb:Tensor, s0:int, s1:int, t0:int) -> Tensor:
-    return pb.repeat(n, 1, 1, 1).matmul(v[:, :, t0:s1].cast(pb.dtype), dtype=dtypes.float32).contiguous()
-  return Tensor.cat(*[rows(pb, *s) for pb, s in zip(p, spans(v.shape[2], window, block))], dim=2)
+    return pb.repeat(n, 1, 1, 1).matmul(v[:, :, t0:s1], dtype=dtypes.float32).contiguous()
+  return Tensor.cat(*[rows(pb, *s) for pb, s in zip(p, spans(v.shape[2], window, block))], dim=2).transpose(1, 2)
 
 def attention(q:Tensor, k:Tensor, v:Tensor, window:int, block:int=BLOCK) -> Tensor:
-  """softmax(q k^T / sqrt(hd) + mask) v, q, k, v: [B, H, T, hd] with q, k of unit RMS -> [B, H, T, hd] in v's dtype.
-  q and k are read in v's dtype (tensor cores in half), the weights are kept in it, the sums are float32."""
+  """softmax(q k^T / sqrt(hd) + mask) v, q, k, v: [B, T, H, hd] (as the projections lay them out) with q, k of unit RMS -> [B, T, H, hd]
+  in v's dtype. q and k are read in v's dtype (tensor cores in half), the weights are kept in it, the sums are float32."""
+  q, k = q.cast(v.dtype), k.cast(v.dtype)
+  if fits(q, v): return flash(q, k, v, window)  # one CUDA kernel on NVIDIA GPUs (kernels/flash.py), no copy needed
   # materialized heads-first: a matmul that reads its operands through RoPE, the norm and the transposes recomputes them for every
   # output element (17 ms instead of ~2 ms per layer on the H200 at 8x2048 tokens)
-  q, k, v = [t.cast(v.dtype).contiguous() for t in (q, k, v)]
-  if fits(q, v): return flash(q, k, v, window)  # one CUDA kernel on NVIDIA GPUs (kernels/flash.py)
+  q, k, v = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
   def rows(s0:int, s1:int, t0:int) -> Tensor:  # contiguous: else the concatenation fuses every block's matmul into one kernel
     w = weights(q[:, :, s0:s1], k[:, :, t0:s1], s0, t0, window, v.dtype)
     return (w.matmul(v[:, :, t0:s1], dtype=dtypes.float32) / w.float().sum(-1, keepdim=True)).cast(v.dtype).contiguous()
-  return Tensor.cat(*[rows(*s) for s in spans(q.shape[2], window, block)], dim=2)
+  return Tensor.cat(*[rows(*s) for s in spans(q.shape[2], window, block)], dim=2).transpose(1, 2).contiguous()  # tokens first again

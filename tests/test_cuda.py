@@ -1,10 +1,12 @@
 """kernels/cuda.py's kernels compile for an H200 and are chosen where they run: on tinygrad's NULL device, compiled but not run, so
-no GPU is needed. Their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash, test_loss here."""
+no GPU is needed. Their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash, and test_loss,
+test_qk_norm and test_norm here."""
 import importlib.util, os, pathlib, subprocess, sys
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 from kernels.loss import fits, softcapped_loss
+from kernels.norm import norm, qk_norm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -14,6 +16,7 @@ from kernels import loss
 from kernels.attention import attention
 from kernels.flash import fits
 from kernels.matmul import linear, tuned
+from kernels.norm import norm, qk_norm
 for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096, 512)):  # the dust preset's linear layers, few tokens
   x, w = Tensor.empty(1, M, K, dtype=dtypes.half), Tensor.empty(N, K)
   assert tuned(x, w)
@@ -22,23 +25,31 @@ for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096,
 assert not tuned(Tensor.empty(128, 32, dtype=dtypes.half), Tensor.empty(8, 32))  # the value-embedding gate: N = 8 doesn't divide
 assert not tuned(Tensor.empty(64, 512, dtype=dtypes.half), Tensor.empty(512, 512))  # too few tokens for the tile
 assert not tuned(Tensor.empty(128, 128), Tensor.empty(128, 128))                  # float32
-q = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half)
+q = Tensor.empty(1, 2048, 8, 64, dtype=dtypes.half)
 assert fits(q, q) and fits(q.float(), q.float()) and not fits(q, q.float()) and not fits(q[..., :32], q[..., :32])
-assert not fits(q[:, :, :100], q[:, :, :100])
+assert not fits(q[:, :100], q[:, :100])
 for W in (1024, 2048):  # the dust preset's two windows, in half and in float32
   for t in (q, q.float()): assert attention(t, t, t, W).realize().shape == q.shape
+cos = Tensor.empty(2048, 1, 32)
+for t, dt in ((q, dtypes.half), (q.float(), dtypes.float32)): assert qk_norm(t, cos, cos, dt).realize().shape == q.shape
+x = Tensor.empty(8, 2048, 512)
+for y in (None, x.half()): assert norm(x, dtypes.half, y).realize().shape == x.shape
 z, y = Tensor.empty(8, 16, 4096, dtype=dtypes.half), Tensor.empty(8, 16, dtype=dtypes.int32)
-assert loss.fits(z) and not loss.fits(z.float()) and not loss.fits(z[..., :100]) and not loss.fits(z[:1, :3])
+assert loss.fits(z, 15.0) and not loss.fits(z.float(), 15.0) and not loss.fits(z[..., :100], 15.0) and not loss.fits(z[:1, :3], 15.0)
+assert not loss.fits(z, 75.0)  # 4096 e^75 overflows float32
 assert loss.softcapped_loss(z, y, 15.0).realize().shape == (8, 16)
-print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z))
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z, 15.0))
 """
 ASKED = """
 from tinygrad import Tensor, dtypes
 from kernels import loss
 from kernels.flash import fits
 from kernels.matmul import tuned
-q, z = Tensor.empty(1, 8, 2048, 64, dtype=dtypes.half), Tensor.empty(8, 16, 4096, dtype=dtypes.half)  # shapes the kernels take
-print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z))
+from kernels.norm import norm_fits, qk_fits
+q, z = Tensor.empty(1, 2048, 8, 64, dtype=dtypes.half), Tensor.empty(8, 16, 4096, dtype=dtypes.half)  # shapes the kernels take
+x = Tensor.empty(8, 2048, 512)
+print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z, 15.0), qk_fits(q, q.dtype),
+      norm_fits(x, dtypes.half))
 """
 
 def nvrtc() -> bool:
@@ -58,9 +69,9 @@ def test_compiled_for_the_h200():
   assert r.returncode == 0 and r.stdout.strip().endswith("chosen True True True"), r.stderr[-3000:]
   # tinygrad's PTX renderer can't compile CUDA C, so there no kernel may be chosen
   r = run("PTX", ASKED)
-  assert r.returncode == 0 and r.stdout.strip() == "chosen False False False", r.stderr[-3000:]
+  assert r.returncode == 0 and r.stdout.strip() == "chosen False False False False False", r.stderr[-3000:]
 
-@pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half)), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
+@pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
 def test_loss():
   # the loss kernel (run on the GPU machine) against float64: a lane's values misplaced, the max or the sum reduced over part of the
   # warp, or the target's logit taken from another row fails; logits up to +-40 are softcapped into (-15, 15)
@@ -69,3 +80,32 @@ def test_loss():
   c = 15 * np.tanh(z.astype(np.float64) / 15)
   ref = np.log(np.exp(c).sum(-1)) - np.take_along_axis(c, y[..., None], -1)[..., 0]
   np.testing.assert_allclose(softcapped_loss(Tensor(z), Tensor(y), 15.0).numpy(), ref, rtol=1e-5)
+
+@pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/norm.py runs on NVIDIA GPUs (sm_80+) only")
+@pytest.mark.parametrize("dtype", [dtypes.half, dtypes.float32])
+def test_qk_norm(dtype):
+  # the RoPE + QK-norm kernel (run on the GPU machine) against float64: a pair rotated with another position's angles or the wrong
+  # partner, or a norm over part of a head, fails; 3 heads, so a head's rows are 192 values apart
+  rng = np.random.default_rng(1)
+  B, T, H = 2, 128, 3
+  x, ang = rng.normal(size=(B, T, H, 64)) * 3, rng.uniform(0, 6.3, (T, 1, 32))
+  a, b = x[..., :32], x[..., 32:]
+  r = np.concatenate([a * np.cos(ang) + b * np.sin(ang), b * np.cos(ang) - a * np.sin(ang)], -1)
+  ref = r / np.sqrt((r ** 2).mean(-1, keepdims=True) + 1e-6)
+  npd = np.float16 if dtype == dtypes.half else np.float32
+  out = qk_norm(Tensor(x.astype(npd)), *[Tensor(f(ang).astype(np.float32)) for f in (np.cos, np.sin)], dtype).numpy()
+  assert out.dtype == npd
+  np.testing.assert_allclose(out.astype(np.float64), ref, atol=5e-3 if dtype == dtypes.half else 1e-5)  # half: inputs rounded to 2^-11
+
+@pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/norm.py runs on NVIDIA GPUs (sm_80+) only")
+@pytest.mark.parametrize("add", [False, True])
+def test_norm(add:bool):
+  # the stream's norm kernel (run on the GPU machine) against float64: a lane's values misplaced, a sum over part of the row, or y
+  # added at the wrong place fails
+  rng = np.random.default_rng(2)
+  x, y = rng.normal(size=(2, 8, 512)) * 3, rng.normal(size=(2, 8, 512)).astype(np.float16)
+  s = x.astype(np.float32).astype(np.float64) + (y if add else 0)
+  ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-6)
+  out = norm(Tensor(x.astype(np.float32)), dtypes.half, Tensor(y) if add else None).numpy()
+  assert out.dtype == np.float16
+  np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3)  # the output in half: 2^-11 relative, values up to ~4

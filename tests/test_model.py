@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops
-import model as model_mod
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from kernels.noise import key, gaussian
+from kernels.norm import qk_norm, rms, rope
 
 CFG = GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=16)  # block 0: window 8, no VE; block 1: full window, VE
 B, T, SIGMA = 2, 16, 0.5
@@ -118,8 +118,11 @@ def test_rope_and_rms(tiny):
   np.testing.assert_allclose(m.sin.numpy().reshape(CFG.seq_len, -1), np.sin(ang), atol=1e-6)
   x = np.random.default_rng(0).normal(size=(1, CFG.seq_len, 2, hd)).astype(np.float32)
   a, b, c, s = x[..., :hd // 2], x[..., hd // 2:], np.cos(ang)[:, None], np.sin(ang)[:, None]
-  np.testing.assert_allclose(model_mod.rope(Tensor(x), m.cos, m.sin).numpy(), np.concatenate([a * c + b * s, b * c - a * s], -1), atol=1e-5)
-  np.testing.assert_allclose(model_mod.rms(Tensor(x)).numpy(), x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6), atol=1e-5)
+  np.testing.assert_allclose(rope(Tensor(x), m.cos, m.sin).numpy(), np.concatenate([a * c + b * s, b * c - a * s], -1), atol=1e-5)
+  np.testing.assert_allclose(rms(Tensor(x)).numpy(), x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6), atol=1e-5)
+  r = np.concatenate([a * c + b * s, b * c - a * s], -1)  # QK-norm: RoPE, then the norm (kernels/norm.py's CUDA kernel is test_cuda's)
+  np.testing.assert_allclose(qk_norm(Tensor(x), m.cos, m.sin, dtypes.float32).numpy(), r / np.sqrt((r ** 2).mean(-1, keepdims=True) + 1e-6),
+                             atol=1e-5)
 
 def test_jitter_sigma0_and_sanity(tiny):
   # sigma 0 adds exactly nothing; a jitter at block 0's c_fc reaches every position (noise added at the wrong place/shape fails)
