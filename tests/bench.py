@@ -10,7 +10,7 @@
 Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
 allocated before it (the parameters, the batch): what the step itself needs.
 """
-import argparse, contextlib, importlib.util, json, os, subprocess, sys, tempfile, time
+import argparse, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
@@ -73,9 +73,10 @@ def torch_reference(model, x:Tensor, y:Tensor):
   print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
 
 class ByKind:
-  """Seconds of each kind of Dust chunk group in the last step: dust.accumulate timed between device syncs (one device only; the
-  syncs cost little, since a group holds many chunks). What the kinds leave out is the capture, the reassembly and the update."""
-  def __init__(self): self.times:dict[str, float] = {}
+  """Seconds of each kind of Dust chunk group in a step: dust.accumulate timed between device syncs (one device only). The step is
+  an extra one, after the timed ones: at each sync the device idles while the host queues the next group. What the kinds leave out
+  is the capture, the reassembly and the update."""
+  def __init__(self): self.times, self.step = {}, 0.0  # seconds per kind; of the whole step
   def __call__(self, chunk, *args, **static):
     Device[Device.DEFAULT].synchronize()
     st = time.perf_counter()
@@ -96,12 +97,14 @@ def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1, by
   step = [0]
   def run():
     step[0] += 1
-    if by_kind: by_kind.times.clear()  # keep the last (the timed) step's
     g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **({"devices": devices} if devices > 1 else {}))
     opt.step(g)
     loss.realize()
-  with by_kind or contextlib.nullcontext():
-    return measure(run, n=1, warm=2, eager_memory=False) if method == "dust" else measure(run)
+  if method != "dust": return measure(run)
+  t, m = measure(run, n=1, warm=2, eager_memory=False)
+  if by_kind:  # one more step for the split: it syncs the device around every group of chunks, so it isn't the timed one
+    with by_kind: by_kind.step, _ = measure(run, n=1, warm=0, eager_memory=False)
+  return t, m
 
 def looped_table(depths:list[int], quick:bool, dust_pop:int):
   """One row per loop count, each estimator's step time and peak memory above the parameters and the batch, side by side: MeZO's
@@ -146,7 +149,9 @@ def main():
     peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident  # on several devices: all of them together
     name = f"{method} pop {pop} step" + (f" on {n} devices" if n > 1 else "")
     print(f"{name:34s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
-    if by_kind: print("  by chunk kind: " + ", ".join(f"{k} {v:.3f} s" for k, v in by_kind.times.items()), flush=True)
+    if by_kind:
+      print(f"  by chunk kind, in a step of {by_kind.step:.3f} s with the syncs: " + ", ".join(f"{k} {v:.3f} s" for k, v in by_kind.times.items()),
+            flush=True)
   if args.quick: looped_table([2, 8], True, pops[0])
 
 if __name__ == "__main__": main()
