@@ -1,15 +1,14 @@
 """The causal windowed attention of kernels/attention.py as one CUDA kernel that never writes the T x T weights out (flash attention).
 
-q, k, v and the output are [B, T, H, 64], as the projections lay them out: a head's rows are 64 halves apart from the next token's
-by H heads, and cp.async reads them in place. Each block of 256 threads takes 128 queries of one (sequence, head), and walks the 64-key
-blocks they can see, [s0 - window, s0 + 128),
-through a two-stage cp.async pipeline. Each of its 8 warps owns 16 queries: S = q k^T on the tensor cores, w = exp(S / sqrt(hd)) under
-the mask, rounded to half, then o += w v with w taken straight from S's registers (an mma's accumulator layout is the next mma's
-operand layout, two 8-key tiles to one 16-key step), and the row sums of w on the side. QK-norm bounds every score by sqrt(hd), so
-exp needs no running max and nothing is rescaled (kernels/attention.py); the result is the tensor version's, summed in another order.
-Key blocks that a warp's queries can't see are skipped, and the mask is
-applied only in the blocks that a window edge cuts. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and
-v fill the 48 KB of static shared memory. A float32 version (SOURCE32), for the Dust draws that take a difference of two attention
+q, k, v and the output are [B, T, H, 64], as the projections lay them out: a head's row of 64 values sits H x 64 values after the
+previous token's, and cp.async reads the rows in place. Each block of 256 threads takes 128 queries of one (sequence, head), and walks
+the 64-key blocks they can see, [s0 - window, s0 + 128), through a two-stage cp.async pipeline. Each of its 8 warps owns 16 queries:
+S = q k^T on the tensor cores, w = exp(S / sqrt(hd)) under the mask, rounded to half, then o += w v with w taken straight from S's
+registers (an mma's accumulator layout is the next mma's operand layout, two 8-key tiles to one 16-key step), and the row sums of w
+on the side. QK-norm bounds every score by sqrt(hd), so exp needs no running max and nothing is rescaled (kernels/attention.py); the
+result is the tensor version's, summed in another order. Key blocks that a warp's queries can't see are skipped, and the mask is
+applied only in the blocks that a window edge cuts. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and v
+fill the 48 KB of static shared memory. A float32 version (SOURCE32), for the Dust draws that take a difference of two attention
 outputs, runs on the CUDA cores.
 """
 import math
