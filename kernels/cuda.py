@@ -10,6 +10,7 @@ from tinygrad import Device
 from tinygrad.helpers import ContextVar
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import CUDARenderer
+from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
 # one warp's tensor-core primitives. A 16x16 half tile of A, or two 8-column tiles of B stored [n][k], is 4 8x8 matrices that
@@ -37,15 +38,21 @@ __device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2
 
 CUDA_KERNELS = ContextVar("CUDA_KERNELS", 1)
 
-def available(device:str) -> bool:
+def sm(device:str) -> int:
+  """The compute capability that tinygrad renders CUDA C for on `device` (90 on an H200), 0 where it doesn't."""
   r = Device[device].renderer
-  return bool(CUDA_KERNELS) and isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") and int(r.target.arch[3:]) >= 80
+  return int(r.target.arch[3:]) if isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") else 0
 
-def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int):
-  """A custom_kernel fxn: buffer 0 is the output, 1.. the inputs, in the order of the kernel's parameters."""
+def available(device:str) -> bool: return bool(CUDA_KERNELS) and sm(device) >= 80
+
+def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, arch:str|None=None):
+  """A custom_kernel fxn: buffer 0 is the output, 1.. the inputs, in the order of the kernel's parameters. tinygrad compiles the source
+  for the device's own architecture (sm_90); `arch` compiles it here for another one instead: sm_90a, the only target with Hopper's
+  wgmma instructions."""
   def fxn(*_bufs:UOp) -> UOp:
     info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=(0,), ins=tuple(range(1, n_bufs)),
                        target=Device[device].renderer.target)
     sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=PRELUDE + src)), arg=info)
+    code = (UOp(Ops.SOURCE, arg=PRELUDE + src),) + ((UOp(Ops.BINARY, arg=NVRTCCompiler(arch).compile_cached(PRELUDE + src)),) if arch else ())
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=())) + code, arg=info)
   return fxn

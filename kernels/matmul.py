@@ -6,47 +6,60 @@ with the best options a BEAM search found (the previous version of this file fix
 both operands in shared memory, where every warp of the block reuses them: each block of 256 threads computes a 128x128 tile of C,
 walking K in steps of 32 through a three-stage pipeline (cp.async copies the tile after next while the tensor cores work on this
 one), and each warp multiplies a 64x32 part of it with mma.sync (16x8x16, half in, float accumulate), its operands loaded by
-ldmatrix. On the H200 at those shapes it runs at 242-282 TFLOP/s (kernel times in a Dust chunk, `DEBUG=2`), with results
-bit-identical to tinygrad's matmul at the four shapes.
+ldmatrix. On the H200 at those shapes it runs at 245-281 TFLOP/s, with results bit-identical to tinygrad's matmul at the four shapes.
+
+On Hopper (sm_90: the H100, H200) the same block runs HOPPER instead: its two warpgroups (128 threads each) multiply their 64x128 half
+of the tile with wgmma, which reads both operands from the shared-memory tiles themselves (their swizzle is wgmma's 64-byte one)
+and runs asynchronously, while the threads wait for the next tile. 266-356 TFLOP/s at the four shapes (1.08-1.34x mma.sync, measured
+side by side on the H200, `.prof/wg2.py`), with identical results. Larger tiles or more stages would need more than the 48 KB of static
+shared memory that tinygrad's launches allow (they pass no dynamic shared memory).
 
 Where kernels/cuda.py's kernels don't run (CPU, AMD, Metal, tinygrad's PTX renderer, older GPUs), and for shapes the tile doesn't
 divide, `linear` is tinygrad's own matmul. `act` applies an activation to x as the kernel reads it, so that relu(x)^2 of the
-MLP is never written out: it is computed on the fragments in registers, each element once per warp along N.
+MLP is never written out: mma.sync's kernel computes it on the fragments in registers, each element once per warp along N, and
+wgmma's on the tile in shared memory, once per block.
 """
 from tinygrad import Tensor, dtypes
-from kernels.cuda import available, program
+from kernels.cuda import available, program, sm
 
 TILE = (128, 128, 32)  # M, N, K of a block's step: the shapes must divide
 ACTS = {"relu2": (lambda t: t.relu().square(), "v = __hmax2(v, __float2half2_rn(0.f)); v = __hmul2(v, v);")}  # tensor op, CUDA on half2 v
 
-SOURCE = r"""
+TILES = r"""
 #define N {N}
 #define K {K}
 #define BK 32
 #define STAGES 3
 // a tile row is BK halves, 4 chunks of 16 bytes; chunk c of row r is stored at c ^ ((r >> 1) & 3), so that the 8 rows that one
-// ldmatrix phase reads, and the 8 chunks that one cp.async phase writes, fall in 8 different 16-byte bank groups
+// ldmatrix phase reads, and the 8 chunks that one cp.async phase writes, fall in 8 different 16-byte bank groups. It is also the
+// 64-byte swizzle that Hopper's wgmma reads (bytes 16-31 of an address xor bytes 128-255's bits)
 __device__ __forceinline__ int swz(int r, int c) {{ return r * BK + ((c ^ ((r >> 1) & 3)) << 3); }}
 __device__ __forceinline__ unsigned act(unsigned u) {{ half2 v = *(half2 *)&u; {ACT} return *(unsigned *)&v; }}
+// a 128 x BK tile of each operand into a stage: 512 chunks of 16 bytes each, two per thread (unrolled: as a loop, the wgmma kernel
+// lost 25% at N = 2048)
+__device__ __forceinline__ void load(half *sa, half *sb, const half *a, const half *b, int tid, int k0) {{
+  #pragma unroll
+  for (int i = 0; i < 2; i++) {{
+    int c = tid + i * 256, r = c >> 2, ch = c & 3;
+    cp_async(sa + swz(r, ch), a + (size_t)r * K + k0 + ch * 8);
+    cp_async(sb + swz(r, ch), b + (size_t)r * K + k0 + ch * 8);
+  }}
+  commit();
+}}
+"""
 
+SOURCE = TILES + r"""
 extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B) {{
   __shared__ __align__(128) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
   const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + (size_t)blockIdx.x * 128 * K;
   float acc[4][4][4] = {{}};
-  auto load = [&](int stage, int k0) {{  // a 128 x BK tile of each operand: 512 chunks of 16 bytes each, two per thread
-    for (int i = 0; i < 2; i++) {{
-      int c = tid + i * 256, r = c >> 2, ch = c & 3;
-      cp_async(sa + stage * 128 * BK + swz(r, ch), a + (size_t)r * K + k0 + ch * 8);
-      cp_async(sb + stage * 128 * BK + swz(r, ch), b + (size_t)r * K + k0 + ch * 8);
-    }}
-    commit();
-  }};
-  for (int s = 0; s < STAGES - 1; s++) load(s, s * BK);
+  for (int s = 0; s < STAGES - 1; s++) load(sa + s * 128 * BK, sb + s * 128 * BK, a, b, tid, s * BK);
   for (int kt = 0; kt < K / BK; kt++) {{
     wait<STAGES - 2>();  // tile kt has landed
     __syncthreads();     // ... for every thread, and every warp is done with tile kt - 1, whose stage the next load overwrites
-    if (kt + STAGES - 1 < K / BK) load((kt + STAGES - 1) % STAGES, (kt + STAGES - 1) * BK);
+    const int next = (kt + STAGES - 1) % STAGES;
+    if (kt + STAGES - 1 < K / BK) load(sa + next * 128 * BK, sb + next * 128 * BK, a, b, tid, (kt + STAGES - 1) * BK);
     else commit();       // an empty group keeps the count that wait relies on
     const half *ta = sa + kt % STAGES * 128 * BK, *tb = sb + kt % STAGES * 128 * BK;
     #pragma unroll
@@ -77,12 +90,57 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
 }}
 """
 
+# wgmma m64n128k16: a warpgroup's d (64 floats a thread) += A (64 x 16, from shared memory) B (16 x 128, from shared memory)
+WGMMA = ('asm volatile("{{ .reg .pred p; setp.ne.b32 p, %66, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {{' +
+         ", ".join(f"%{i}" for i in range(64)) + '}}, %64, %65, p, 1, 1, 0, 0; }}" : ' + ", ".join(f'"+f"(d[{i}])' for i in range(64)) +
+         ' : "l"(da), "l"(db), "r"(1));')
+
+HOPPER = TILES + r"""
+// where wgmma finds a tile of 8-row groups 512 bytes apart (the stride), in the 64-byte swizzle (mode 2); the leading offset is unused
+__device__ __forceinline__ unsigned long long desc(const half *p) {{ return (smem(p) & 0x3ffff) >> 4 | 1ull << 16 | 32ull << 32 | 2ull << 62; }}
+__device__ __forceinline__ void wgmma(float (&d)[64], unsigned long long da, unsigned long long db) {{ """ + WGMMA + r""" }}
+
+extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B) {{
+  __shared__ __align__(1024) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
+  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + (size_t)blockIdx.x * 128 * K;
+  float acc[64] = {{}};
+  for (int s = 0; s < STAGES - 1; s++) load(sa + s * 128 * BK, sb + s * 128 * BK, a, b, tid, s * BK);
+  for (int kt = 0; kt < K / BK; kt++) {{
+    half *ta = sa + kt % STAGES * 128 * BK, *tb = sb + kt % STAGES * 128 * BK;
+    wait<STAGES - 2>();  // this thread's copies of tile kt have landed
+    if ({HAS_ACT}) for (int i = 0; i < 2; i++) {{  // wgmma reads A from shared memory: apply the activation there, to the chunks copied
+      uint4 *p = (uint4 *)(ta + swz((tid + i * 256) >> 2, tid & 3)), v = *p;
+      v.x = act(v.x); v.y = act(v.y); v.z = act(v.z); v.w = act(v.w); *p = v;
+    }}
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // this warpgroup's products of tile kt - 1 are done
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");    // the tile's shared memory, as written, is what wgmma will read
+    __syncthreads();  // ... for every thread's copies; and every warpgroup is done with tile kt - 1, whose stage the next load overwrites
+    const int next = (kt + STAGES - 1) % STAGES;
+    if (kt + STAGES - 1 < K / BK) load(sa + next * 128 * BK, sb + next * 128 * BK, a, b, tid, (kt + STAGES - 1) * BK);
+    else commit();
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    #pragma unroll  // warpgroup wg: rows 64 wg .. 64 wg + 63 of the block's C, all 128 columns; a step of 16 k is 32 bytes into the rows
+    for (int kk = 0; kk < BK / 16; kk++) wgmma(acc, desc(ta + wg * 64 * BK + kk * 16), desc(tb + kk * 16));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");  // runs while the next tile is awaited
+  }}
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  #pragma unroll
+  for (int i = 0; i < 16; i++) {{  // as mma.sync's 16x8 tiles: warp w of the group holds rows 16 w + lane / 4 (+ 8), columns 8 i + 2 (lane % 4) (+ 1)
+    size_t r = (size_t)blockIdx.y * 128 + wg * 64 + warp * 16 + (lane >> 2), c = blockIdx.x * 128 + i * 8 + (lane & 3) * 2;
+    *(unsigned *)(C + r * N + c) = pack(acc[4 * i], acc[4 * i + 1]);
+    *(unsigned *)(C + (r + 8) * N + c) = pack(acc[4 * i + 2], acc[4 * i + 3]);
+  }}
+}}
+"""
+
 def matmul(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
   """act(x) [M, K] @ w [N, K].T in half, as one kernel."""
   (M, K), N = x.shape, w.shape[0]
-  name = f"gemm_{M}_{N}_{K}" + (f"_{act}" if act else "")
-  src = SOURCE.format(NAME=name, N=N, K=K, ACT=ACTS[act][1] if act else "")
-  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + N * K + M * N))
+  hopper = sm(x.device) >= 90
+  name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_{act}" if act else "")
+  src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None))
+  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + N * K + M * N), "sm_90a" if hopper else None)
   # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
   return Tensor.empty(M, N, dtype=dtypes.half, device=x.device).custom_kernel(x, w.cast(dtypes.half), fxn=fxn)[0]
 
