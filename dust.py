@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from tinygrad import Tensor, dtypes
 from kernels.attention import attention, mix, probs, spans
+from kernels import flash
 from kernels.noise import key as root_key, fold, gaussian
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
@@ -210,13 +211,14 @@ def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i ha
   return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
 
 class CleanAttention:
-  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e,
-  its probabilities p by block of queries (kernels/attention.py), output o = p u [B, T, H, hd] (and the gate's logits z, the value
-  embedding e). A draw recomputes only this attention, never the network: all of it for q and k (in float32: o' - o is a small
-  difference; on NVIDIA GPUs kernels/flash.py's float32 kernel, and in tensor ops these chunks measured ~1.8x faster than in half),
-  and for v, gate and ve, which move only u, just p du, with p kept in the model's dtype (tensor cores in half; the product is off
-  by ~2^-11 relative, as no difference is taken). Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors,
-  so that a JIT can take them as inputs."""
+  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and the
+  gate's logits z, the value embedding e); and what the draws read besides: its probabilities p by block of queries
+  (kernels/attention.py) and output o = p u [B, T, H, hd], or on NVIDIA GPUs half copies of q^, k^ and u (`fused`). A draw recomputes
+  only this attention, never the network: all of it for q and k, and for v, gate and ve, which move only u, just p du. q and k: o' - o
+  is a small difference, taken in float32 (tensor ops measured ~1.8x faster so than in half); on NVIDIA GPUs a kernel makes it from the
+  change of q^ or k^ itself, and only small quantities are rounded to half. v, gate, ve: p is kept in the model's dtype, or remade from
+  q^, k^ by the flash kernel on NVIDIA GPUs (tensor cores in half; the product is off by ~2^-11 relative, as no difference is taken).
+  Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can take them as inputs."""
   def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
 
   @classmethod
@@ -236,20 +238,29 @@ class CleanAttention:
   def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, in float32
     return qk_norm(t, self.model.cos[:t.shape[1]], self.model.sin[:t.shape[1]], dtypes.float32)
 
+  @property
+  def fused(self) -> bool: return "u16" in self.t  # on NVIDIA GPUs: the draws run kernels/flash.py's kernels (see clean_attention)
+
   def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
-    # q, k: a draw at a time, each realized, so that the scheduler can't order all draws' scores first (inside a JIT too: the
-    # memory plan then reuses one draw's T x T buffers for the next)
-    if kind in ("q", "k"): return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])
-    t = {name: tile(v, n) for name, v in self.t.items()}
-    du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(t["z"]).unsqueeze(-1),  # exact by linearity in u
-          "gate": lambda: (gate(t["z"] + sigma * a) - gate(t["z"] - sigma * a)).unsqueeze(-1) * t["e"]}[kind]()
+    t = self.t
+    if kind in ("q", "k"):
+      # fused: every draw in one kernel, which makes o' - o from the change of q^ or k^ itself, in half (kernels/flash.py's delta)
+      if self.fused: return flash.delta(t["qh16"], t["kh16"], t["u16"], (self.hat(tile(t[kind], n) + sigma * a) - tile(t[kind + "h"], n)).half(),
+                                        kind, self.window)
+      # else a draw at a time, each realized, so that the scheduler can't order all draws' scores first (inside a JIT too: the memory
+      # plan then reuses one draw's T x T buffers for the next)
+      return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])
+    z, e = (tile(t[name], n) if name in t else None for name in ("z", "e"))
+    du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(z).unsqueeze(-1),  # exact by linearity in u
+          "gate": lambda: (gate(z + sigma * a) - gate(z - sigma * a)).unsqueeze(-1) * e}[kind]()
+    if self.fused: return flash.flash(t["qh16"], t["kh16"], du.half(), self.window)  # p du, p remade from q^ and k^ where it is used
     # the clean probabilities, reused by every draw; mix materializes du, so its noise is made once and not in the matmul's loop
     return mix(self.probs(), du, self.window)
 
   def rerun(self, kind:str, a:Tensor, sigma:float) -> Tensor:
-    """o' - o for one draw of q or k: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of T x T
-    scores (at pop 1024 on the dust preset, 8.6 GB in float32: the peak of the whole update)."""
+    """o' - o for one draw of q or k, in float32: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of
+    T x T scores (at pop 1024 on the dust preset, 8.6 GB in float32: the peak of the whole update)."""
     t = self.t
     qh, kh = (self.hat(t["q"] + sigma * a), t["kh"]) if kind == "q" else (t["qh"], self.hat(t["k"] + sigma * a))
     return attention(qh, kh, t["u"], self.window) - t["o"]
@@ -263,6 +274,7 @@ def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Te
   if "ve" in r: t["z"], t["e"] = r["gate"], att.heads(r["ve"])
   t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if "ve" in r else u
   t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
+  if flash.fits(t["u"].half(), t["u"].half()): return t | {f"{n}16": t[n].half() for n in ("qh", "kh", "u")}  # what the draws' kernels read
   t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
   return t | {f"p{j}": p for j, p in enumerate(probs(t["qh"], t["kh"], att.window, model.dtype))}
 

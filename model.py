@@ -211,7 +211,8 @@ class GPT:
     else: h, y = resume
     proj = p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y))
     hid = p.linear(f"{pre}.mlp.c_fc", norm(h, self.dtype, proj))  # rms(h + proj), the sum read once on NVIDIA GPUs (kernels/norm.py)
-    return (h + proj.float() + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()).contiguous()
+    # left lazy: the next block's residual mix reads it once, and computes it in its own kernel instead of reading it back from memory
+    return h + proj.float() + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()
 
   def attn(self, p:Pass, i:int, pre:str, n:Tensor, idx:Tensor) -> Tensor:
     B, T, d = n.shape

@@ -8,35 +8,74 @@ registers (an mma's accumulator layout is the next mma's operand layout, two 8-k
 on the side. QK-norm bounds every score by sqrt(hd), so exp needs no running max and nothing is rescaled (kernels/attention.py); the
 result is the tensor version's, summed in another order. Key blocks that a warp's queries can't see are skipped, and the mask is
 applied only in the blocks that a window edge cuts. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and v
-fill the 48 KB of static shared memory. A float32 version (SOURCE32), for the Dust draws that take a difference of two attention
-outputs, runs on the CUDA cores.
+fill the 48 KB of static shared memory. q and k may hold fewer sequences than v, QB, each shared by the v sequences s with the same
+s % QB: a Dust draw batch's n copies of the clean q and k, never made (DELTA below takes the same).
 """
 import math
 from tinygrad import Tensor, dtypes
 from kernels.cuda import available, program
 
-HD, BQ = 64, 128  # head dim, queries per block (of the half kernel; the float32 one takes 64)
+HD, BQ = 64, 128  # head dim, queries per block
 
-SOURCE = r"""
+# shared by the half kernels: a warp's 16 queries against a 64-key block in shared memory, on the tensor cores
+TILE = r"""
 #define T {T}
 #define WINDOW {WINDOW}
 #define RS {RS}  // the stride of a head's rows: H heads of 64
+#define QB {QB}  // the sequences of q and k: sequence s of the others reads sequence s % QB of them
+// where block y's (sequence, head) starts in the tensors that have all the sequences, and in those with QB
+__device__ __forceinline__ size_t head_of(int y) {{ return (size_t)(y / (RS / 64)) * T * RS + y % (RS / 64) * 64; }}
+__device__ __forceinline__ size_t shared_head(int y) {{ return (size_t)(y / (RS / 64) % QB) * T * RS + y % (RS / 64) * 64; }}
 // a tile row is 64 halves, 8 chunks of 16 bytes; chunk c of row r is stored at c ^ (r & 7): the 8 rows that one ldmatrix phase
 // reads, plain or transposed, fall in 8 different 16-byte bank groups
 __device__ __forceinline__ int swz(int r, int c) {{ return r * 64 + ((c ^ (r & 7)) << 3); }}
+__device__ __forceinline__ void load_rows(unsigned (&f)[4][4], const half *tile, int row, int lane) {{  // 16 rows x 64 as 4 A operands
+  for (int kk = 0; kk < 4; kk++) ldsm(f[kk], tile + swz(row + (lane & 15), kk * 2 + (lane >> 4)));
+}}
+__device__ __forceinline__ void scores(float (&s)[8][4], const unsigned (&qf)[4][4], const half *sk, int lane) {{  // s += q k^T, 16 x 64
+  #pragma unroll
+  for (int kk = 0; kk < 4; kk++)  // over the head dim in steps of 16
+    #pragma unroll
+    for (int nj = 0; nj < 4; nj++) {{
+      unsigned b[4];
+      ldsm(b, sk + swz(nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+      mma(s[2 * nj], qf[kk], b[0], b[1]); mma(s[2 * nj + 1], qf[kk], b[2], b[3]);
+    }}
+}}
+// o += w v, 16 x 64, over the 64 keys in steps of 16; w in half, rows lane / 4 and lane / 4 + 8, keys 8 ni + 2 (lane % 4) and the next:
+// an mma's accumulator layout is the next mma's operand layout, two 8-key tiles to one 16-key step
+__device__ __forceinline__ void mix(float (&o)[8][4], const unsigned (&w)[8][2], const half *sv, int lane) {{
+  #pragma unroll
+  for (int kk = 0; kk < 4; kk++) {{
+    const unsigned a[4] = {{w[2 * kk][0], w[2 * kk][1], w[2 * kk + 1][0], w[2 * kk + 1][1]}};
+    #pragma unroll
+    for (int nj = 0; nj < 4; nj++) {{
+      unsigned b[4];
+      ldsm_t(b, sv + swz(kk * 16 + (lane & 15), nj * 2 + (lane >> 4)));
+      mma(o[2 * nj], a, b[0], b[1]); mma(o[2 * nj + 1], a, b[2], b[3]);
+    }}
+  }}
+}}
+// whether query qr + 8 (c / 2) sees key t + c % 2: c indexes an accumulator's 4 values
+__device__ __forceinline__ bool seen(int qr, int t, int c) {{ const int lag = qr + (c >> 1) * 8 - (t + (c & 1)); return lag >= 0 && lag <= WINDOW; }}
+__device__ __forceinline__ float rowsum(float x) {{  // the 4 lanes of a row hold its keys
+  x += __shfl_xor_sync(0xffffffff, x, 1); return x + __shfl_xor_sync(0xffffffff, x, 2);
+}}
+"""
 
+SOURCE = TILE + r"""
 extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, const half *__restrict__ Q, const half *__restrict__ K,
                                                           const half *__restrict__ V) {{
   __shared__ __align__(128) half sq[128 * 64], sk[2][64 * 64], sv[2][64 * 64];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s0 = (gridDim.x - 1 - blockIdx.x) * 128;  // the longest rows first: the last blocks to start are the short ones
-  const size_t head = ((size_t)(blockIdx.y / (RS / 64)) * T * RS + blockIdx.y % (RS / 64) * 64);  // (sequence, head) of the block
-  const half *k = K + head, *v = V + head;
+  const size_t head = head_of(blockIdx.y);  // (sequence, head) of the block
+  const half *q = Q + shared_head(blockIdx.y), *k = K + shared_head(blockIdx.y), *v = V + head;
   auto tile = [&](half *dst, const half *src, int rows) {{  // rows x 64 halves, 8 chunks of 16 bytes a row
     for (int c = tid; c < rows * 8; c += 256) cp_async(dst + swz(c >> 3, c & 7), src + (size_t)(c >> 3) * RS + (c & 7) * 8);
   }};
   const int first = max(0, s0 - WINDOW) / 64, last = (s0 + 127) / 64;  // the key blocks that some query of the block sees
-  tile(sq, Q + head + (size_t)s0 * RS, 128); tile(sk[0], k + (size_t)first * 64 * RS, 64); tile(sv[0], v + (size_t)first * 64 * RS, 64);
+  tile(sq, q + (size_t)s0 * RS, 128); tile(sk[0], k + (size_t)first * 64 * RS, 64); tile(sv[0], v + (size_t)first * 64 * RS, 64);
   commit();
   const int q0 = s0 + warp * 16, qr = q0 + (lane >> 2);  // the warp's first query; this lane's rows are qr and qr + 8
   unsigned qf[4][4];
@@ -47,48 +86,27 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, c
     commit();
     wait<1>();  // block j (and q) landed, for this thread
     __syncthreads();  // ... and for every thread
-    if (j == first)
-      for (int kk = 0; kk < 4; kk++) ldsm(qf[kk], sq + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    if (j == first) load_rows(qf, sq, warp * 16, lane);
     if (j * 64 <= q0 + 15 && j * 64 + 63 >= q0 - WINDOW) {{  // some of the warp's 16 queries see some of these 64 keys
       float s[8][4] = {{}};
-      #pragma unroll
-      for (int kk = 0; kk < 4; kk++)  // S = q k^T: 16 queries x 64 keys, over the head dim in steps of 16
-        #pragma unroll
-        for (int nj = 0; nj < 4; nj++) {{
-          unsigned b[4];
-          ldsm(b, sk[st] + swz(nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
-          mma(s[2 * nj], qf[kk], b[0], b[1]); mma(s[2 * nj + 1], qf[kk], b[2], b[3]);
-        }}
-      unsigned p[8][2];  // w in half: rows qr, qr + 8; keys 8 ni + 2 (lane % 4) and the next
+      scores(s, qf, sk[st], lane);
+      unsigned p[8][2];  // w = exp(S / sqrt(hd)) in half
       const bool edge = j * 64 + 63 > q0 || j * 64 < q0 + 15 - WINDOW;  // the mask hides some of the warp's (query, key) pairs
       #pragma unroll
       for (int ni = 0; ni < 8; ni++) {{
         const int t = j * 64 + ni * 8 + (lane & 3) * 2;
         float e[4];
         #pragma unroll
-        for (int c = 0; c < 4; c++) {{
-          const int lag = qr + (c >> 1) * 8 - (t + (c & 1));
-          e[c] = !edge || (lag >= 0 && lag <= WINDOW) ? __expf(s[ni][c] * {SCALE}f) : 0.f;
-        }}
+        for (int c = 0; c < 4; c++) e[c] = !edge || seen(qr, t, c) ? __expf(s[ni][c] * {SCALE}f) : 0.f;
         p[ni][0] = pack(e[0], e[1]); p[ni][1] = pack(e[2], e[3]);
         const float2 w0 = __half22float2(*(half2 *)&p[ni][0]), w1 = __half22float2(*(half2 *)&p[ni][1]);
         l0 += w0.x + w0.y; l1 += w1.x + w1.y;  // the sums of the rounded weights, which are what multiply v
       }}
-      #pragma unroll
-      for (int kk = 0; kk < 4; kk++) {{  // o += w v: 16 queries x 64 dims, over the 64 keys in steps of 16
-        const unsigned a[4] = {{p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]}};
-        #pragma unroll
-        for (int nj = 0; nj < 4; nj++) {{
-          unsigned b[4];
-          ldsm_t(b, sv[st] + swz(kk * 16 + (lane & 15), nj * 2 + (lane >> 4)));
-          mma(o[2 * nj], a, b[0], b[1]); mma(o[2 * nj + 1], a, b[2], b[3]);
-        }}
-      }}
+      mix(o, p, sv[st], lane);
     }}
     __syncthreads();  // every warp is done with this stage before the next step's copies overwrite it
   }}
-  l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);  // the 4 lanes of a row hold its keys
-  l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+  l0 = rowsum(l0); l1 = rowsum(l1);
   half *out = O + head + (size_t)qr * RS + (lane & 3) * 2;
   #pragma unroll
   for (int ni = 0; ni < 8; ni++) {{
@@ -98,88 +116,101 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, c
 }}
 """
 
-# float32, for the local q and k draws, whose o' - o is a small difference: no tensor cores. A block takes 64 queries and walks the
-# keys in steps of 64; thread (i, j) computes the scores of queries 4i..4i+3 with keys 4j..4j+3, then the output of the same queries
-# in dims 4j..4j+3. q and k are stored d-major, so that a thread's 4 queries or 4 keys at one d are one float4: 16 FMAs per 2 reads of
-# shared memory (a thread with 2 queries x 4 keys did 8 per 3, and shared memory, not the FMAs, set the pace). The weights take k's
-# place once the scores are made.
-SOURCE32 = r"""
-#define T {T}
-#define WINDOW {WINDOW}
-#define RS {RS}
-extern "C" __global__ void __launch_bounds__(256) {NAME}(float *__restrict__ O, const float *__restrict__ Q, const float *__restrict__ K,
-                                                          const float *__restrict__ V) {{
-  __shared__ __align__(16) float sqt[64][64], skt[64][64], sv[64][64];  // q, k d-major; v as it is; skt then holds the weights key-major
-  const int tid = threadIdx.x, i = tid >> 4, j = tid & 15;
+# o' - o when the scores move by delta = D k^T (D: the change of q, QDRAW) or q D^T (the change of k), for the local q and k draws.
+# Only the small quantities are made in half: with w = exp(S / sqrt(hd)) and e = w (exp(delta / sqrt(hd)) - 1), the moved weights are
+# w + e, so o' = (w u + e u) / (Z + B) with Z, B the row sums of w and e, and o' - o = (e u - B o) / (Z + B), o = w u / Z. e and delta
+# keep their own relative precision, where o' and o in half would lose it all to the difference. Each warp's 16 queries take both
+# products, w u and e u; 4 warps, 64 queries a block, so that two blocks share an SM despite their registers (179 a thread). q, k and u
+# have QB sequences, D and the output one per draw. On the H200, 8 draws of 8 x 2048 tokens took 3.7 ms, where the float32 attention
+# on the CUDA cores that it replaces (o' and o each in float32) took 8.7 ms.
+SOURCE_DELTA = TILE + r"""
+#define QDRAW {QDRAW}
+extern "C" __global__ void __launch_bounds__(128) {NAME}(float *__restrict__ O, const half *__restrict__ Q, const half *__restrict__ K,
+                                                          const half *__restrict__ V, const half *__restrict__ D) {{
+  __shared__ __align__(128) half buf[6 * 64 * 64];  // stage s: k in slot s, D's k in slot 2 + s (k draws), v in slot 4 + s
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s0 = (gridDim.x - 1 - blockIdx.x) * 64;
-  const size_t head = ((size_t)(blockIdx.y / (RS / 64)) * T * RS + blockIdx.y % (RS / 64) * 64);
-  auto transposed = [&](float (*dst)[64], const float *src) {{  // 64 rows of 64 -> dst[d][row]; a warp's threads take 32 rows
-    for (int c = tid; c < 64 * 16; c += 256) {{
-      const int r = c & 63, d = (c >> 6) * 4;
-      const float4 x = *(const float4 *)(src + (size_t)r * RS + d);
-      dst[d][r] = x.x; dst[d + 1][r] = x.y; dst[d + 2][r] = x.z; dst[d + 3][r] = x.w;
-    }}
+  const size_t head = head_of(blockIdx.y);
+  const half *q = Q + shared_head(blockIdx.y), *k = K + shared_head(blockIdx.y), *u = V + shared_head(blockIdx.y), *d = D + head;
+  auto tile = [&](half *dst, const half *src, int row) {{
+    for (int c = tid; c < 64 * 8; c += 128) cp_async(dst + swz(c >> 3, c & 7), src + (size_t)(row + (c >> 3)) * RS + (c & 7) * 8);
   }};
-  transposed(sqt, Q + head + (size_t)s0 * RS);
-  float o[4][4] = {{}}, l[4] = {{}};
-  for (int t0 = max(0, s0 - WINDOW) / 64 * 64; t0 < s0 + 64; t0 += 64) {{
-    transposed(skt, K + head + (size_t)t0 * RS);
-    for (int c = tid; c < 64 * 16; c += 256)
-      *(float4 *)&sv[c >> 4][(c & 15) * 4] = *(const float4 *)(V + head + (size_t)(t0 + (c >> 4)) * RS + (c & 15) * 4);
+  unsigned qf[4][4], df[4][4];  // the warp's rows of q (and of D, q draws), through the first slots of shared memory
+  tile(buf, q, s0);
+  if (QDRAW) tile(buf + 4096, d, s0);
+  commit(); wait<0>(); __syncthreads();
+  load_rows(qf, buf, warp * 16, lane);
+  if (QDRAW) load_rows(df, buf + 4096, warp * 16, lane);
+  __syncthreads();  // every warp has its rows before the first keys overwrite them
+  const int first = max(0, s0 - WINDOW) / 64, last = (s0 + 63) / 64;
+  auto stage = [&](int st, int j) {{
+    tile(buf + st * 4096, k, j * 64); tile(buf + (4 + st) * 4096, u, j * 64);
+    if (!QDRAW) tile(buf + (2 + st) * 4096, d, j * 64);
+  }};
+  stage(0, first);
+  commit();
+  const int q0 = s0 + warp * 16, qr = q0 + (lane >> 2);
+  float wu[8][4] = {{}}, eu[8][4] = {{}}, z0 = 0.f, z1 = 0.f, b0 = 0.f, b1 = 0.f;
+  for (int j = first; j <= last; j++) {{
+    const int st = (j - first) & 1;
+    if (j < last) stage(st ^ 1, j + 1);
+    commit();
+    wait<1>();
     __syncthreads();
-    float s[4][4] = {{}};
-    #pragma unroll 8
-    for (int d = 0; d < 64; d++) {{
-      const float4 q = *(const float4 *)&sqt[d][4 * i], k = *(const float4 *)&skt[d][4 * j];
-      const float qa[4] = {{q.x, q.y, q.z, q.w}}, ka[4] = {{k.x, k.y, k.z, k.w}};
+    if (j * 64 <= q0 + 15 && j * 64 + 63 >= q0 - WINDOW) {{
+      float s[8][4] = {{}}, d[8][4] = {{}};
+      scores(s, qf, buf + st * 4096, lane);
+      scores(d, QDRAW ? df : qf, buf + (QDRAW ? st : 2 + st) * 4096, lane);
+      unsigned w[8][2], e[8][2];
       #pragma unroll
-      for (int a = 0; a < 4; a++)
+      for (int ni = 0; ni < 8; ni++) {{
+        const int t = j * 64 + ni * 8 + (lane & 3) * 2;
+        float wf[4], ef[4];
         #pragma unroll
-        for (int b = 0; b < 4; b++) s[a][b] += qa[a] * ka[b];
-    }}
-    __syncthreads();  // every thread is done with k: skt takes the weights
-    #pragma unroll
-    for (int b = 0; b < 4; b++) {{
-      float e[4];
-      #pragma unroll
-      for (int a = 0; a < 4; a++) {{
-        const int lag = s0 + 4 * i + a - (t0 + 4 * j + b);
-        e[a] = lag >= 0 && lag <= WINDOW ? expf(s[a][b] * {SCALE}f) : 0.f;
-        l[a] += e[a];
+        for (int c = 0; c < 4; c++) wf[c] = seen(qr, t, c) ? __expf(s[ni][c] * {SCALE}f) : 0.f;
+        w[ni][0] = pack(wf[0], wf[1]); w[ni][1] = pack(wf[2], wf[3]);
+        const float2 w0 = __half22float2(*(half2 *)&w[ni][0]), w1 = __half22float2(*(half2 *)&w[ni][1]);  // as rounded: what multiplies u
+        ef[0] = w0.x * expm1f(d[ni][0] * {SCALE}f); ef[1] = w0.y * expm1f(d[ni][1] * {SCALE}f);
+        ef[2] = w1.x * expm1f(d[ni][2] * {SCALE}f); ef[3] = w1.y * expm1f(d[ni][3] * {SCALE}f);
+        e[ni][0] = pack(ef[0], ef[1]); e[ni][1] = pack(ef[2], ef[3]);
+        const float2 e0 = __half22float2(*(half2 *)&e[ni][0]), e1 = __half22float2(*(half2 *)&e[ni][1]);
+        z0 += w0.x + w0.y; z1 += w1.x + w1.y; b0 += e0.x + e0.y; b1 += e1.x + e1.y;
       }}
-      *(float4 *)&skt[4 * j + b][4 * i] = make_float4(e[0], e[1], e[2], e[3]);
+      mix(wu, w, buf + (4 + st) * 4096, lane);
+      mix(eu, e, buf + (4 + st) * 4096, lane);
     }}
     __syncthreads();
-    #pragma unroll 8
-    for (int t = 0; t < 64; t++) {{
-      const float4 w = *(const float4 *)&skt[t][4 * i], v = *(const float4 *)&sv[t][4 * j];
-      const float wa[4] = {{w.x, w.y, w.z, w.w}}, va[4] = {{v.x, v.y, v.z, v.w}};
-      #pragma unroll
-      for (int a = 0; a < 4; a++)
-        #pragma unroll
-        for (int b = 0; b < 4; b++) o[a][b] += wa[a] * va[b];
-    }}
-    __syncthreads();  // everyone is done with this step's weights and v before the next step's overwrite them
   }}
+  z0 = rowsum(z0); z1 = rowsum(z1); b0 = rowsum(b0); b1 = rowsum(b1);
+  float *out = O + head + (size_t)qr * RS + (lane & 3) * 2;
   #pragma unroll
-  for (int a = 0; a < 4; a++) {{
-    for (int m = 1; m < 16; m <<= 1) l[a] += __shfl_xor_sync(0xffffffff, l[a], m);  // the 16 lanes j of query 4i + a hold its keys
-    *(float4 *)(O + head + (size_t)(s0 + 4 * i + a) * RS + 4 * j) = make_float4(o[a][0] / l[a], o[a][1] / l[a], o[a][2] / l[a], o[a][3] / l[a]);
+  for (int ni = 0; ni < 8; ni++) {{
+    *(float2 *)(out + ni * 8) = make_float2((eu[ni][0] - b0 * wu[ni][0] / z0) / (z0 + b0), (eu[ni][1] - b0 * wu[ni][1] / z0) / (z0 + b0));
+    *(float2 *)(out + 8 * RS + ni * 8) = make_float2((eu[ni][2] - b1 * wu[ni][2] / z1) / (z1 + b1), (eu[ni][3] - b1 * wu[ni][3] / z1) / (z1 + b1));
   }}
 }}
 """
 
 def fits(q:Tensor, v:Tensor) -> bool:
-  """q, v [B, T, H, hd]: both half, or both float32, hd = 64, T a multiple of the query block, on a GPU that runs kernels/cuda.py's."""
-  return available(q.device) and q.dtype == v.dtype and q.dtype in (dtypes.half, dtypes.float32) and q.shape[-1] == HD and \
-    q.shape[1] % BQ == 0
+  """q [QB, T, H, hd] and v [B, T, H, hd]: half, hd = 64, T a multiple of the query block, QB dividing B, on a GPU that runs kernels/cuda.py's."""
+  return available(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[1] % BQ == 0 and \
+    v.shape[0] % q.shape[0] == 0
+
+def seen(T:int, window:int) -> int: return sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask
 
 def flash(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
-  """softmax(q k^T / sqrt(hd) + mask) v for unit-RMS q and k, [B, T, H, 64] each, half or float32 -> [B, T, H, 64] in their dtype."""
-  B, T, H, _ = q.shape
-  half = q.dtype == dtypes.half
-  name = f"flash_{B * H}_{T}_{window}" + ("" if half else "_f32")
-  src = (SOURCE if half else SOURCE32).format(NAME=name, T=T, WINDOW=window, RS=H * HD, SCALE=repr(1 / math.sqrt(HD)))
-  seen = sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask: two matmuls of 2 hd flops each
-  fxn = program(q.device, name, src, (T // (BQ if half else 64), B * H), 256, 4, 4 * HD * B * H * seen, q.dtype.itemsize * 4 * B * H * T * HD)
-  return Tensor.empty(B, T, H, HD, dtype=q.dtype, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]
+  """softmax(q k^T / sqrt(hd) + mask) v for unit-RMS q and k [QB, T, H, 64], v [B, T, H, 64], all half -> [B, T, H, 64] half."""
+  (QB, T, H, _), B = q.shape, v.shape[0]
+  name = f"flash_{B * H}_{T}_{window}" + (f"_{QB}" if QB != B else "")
+  src = SOURCE.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)))
+  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 4, 4 * HD * B * H * seen(T, window), 2 * 4 * B * H * T * HD)  # two matmuls of 2 hd flops
+  return Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]
+
+def delta(q:Tensor, k:Tensor, u:Tensor, d:Tensor, moved:str, window:int) -> Tensor:
+  """The change o' - o of attention(q, k, u) in float32 when `moved` ("q" or "k") moves by d: q, k [QB, T, H, 64] unit-RMS and u [QB, ...],
+  d [B, T, H, 64], all half (SOURCE_DELTA) -> [B, T, H, 64]."""
+  (QB, T, H, _), B = q.shape, d.shape[0]
+  name = f"flash_delta_{moved}_{B * H}_{T}_{window}_{QB}"
+  src = SOURCE_DELTA.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)), QDRAW=int(moved == "q"))
+  fxn = program(q.device, name, src, (T // 64, B * H), 128, 5, 8 * HD * B * H * seen(T, window), 2 * 5 * B * H * T * HD)
+  return Tensor.empty(B, T, H, HD, dtype=dtypes.float32, device=q.device).custom_kernel(q, k, u, d, fxn=fxn)[0]

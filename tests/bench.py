@@ -100,8 +100,7 @@ def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1, by
     g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **({"devices": devices} if devices > 1 else {}))
     opt.step(g)
     loss.realize()
-  if method != "dust": return measure(run)
-  t, m = measure(run, n=1, warm=2, eager_memory=False)
+  t, m = measure(run, eager_memory=method != "dust")
   if by_kind:  # one more step for the split: it syncs the device around every group of chunks, so it isn't the timed one
     with by_kind: by_kind.step, _ = measure(run, n=1, warm=0, eager_memory=False)
   return t, m

@@ -5,7 +5,7 @@ import pytest
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops, UOp
 from kernels.attention import attention, mix, probs, spans
-from kernels.flash import fits
+from kernels.flash import delta, fits, flash
 
 T = 16
 
@@ -87,17 +87,44 @@ def test_half_scores_float32():
   assert exps(out := attention(q, k, v, 3, 5)) and not any(exp_of_half(u) for u in exps(out))
   assert any(exp_of_half(u) for u in exps(half_sdpa(*[t.transpose(1, 2) for t in (q, k, v)], 3)))
 
-@pytest.mark.skipif(not fits(Tensor.empty(1, 128, 1, 64, dtype=dtypes.half), Tensor.empty(1, 128, 1, 64, dtype=dtypes.half)),
-                    reason="kernels/flash.py runs on NVIDIA GPUs (sm_80+) only")
-@pytest.mark.parametrize("dtype", [dtypes.half, dtypes.float32])
+GPU = pytest.mark.skipif(not fits(Tensor.empty(1, 128, 1, 64, dtype=dtypes.half), Tensor.empty(1, 128, 1, 64, dtype=dtypes.half)),
+                         reason="kernels/flash.py runs on NVIDIA GPUs (sm_80+) only")
+
+@GPU
 @pytest.mark.parametrize("W", [0, 100, 384])
-def test_flash(W:int, dtype):
-  # the CUDA kernels (run on the GPU machine), 3 blocks of 128 queries: a wrong fragment layout, mask or pipeline stage, or a key block
-  # skipped that a warp sees (W = 100 ends windows inside a block), gives wrong rows
+def test_flash(W:int):
+  # the CUDA kernel (run on the GPU machine), 3 blocks of 128 queries, two sequences of q and k shared by four of v: a wrong fragment
+  # layout, mask or pipeline stage, a key block skipped that a warp sees (W = 100 ends windows inside a block) or a draw reading
+  # another sequence's q gives wrong rows
   rng = np.random.default_rng(W)
-  q, k, v = unit_rms(rng, 2, 3, 384, 64), unit_rms(rng, 2, 3, 384, 64), rng.normal(size=(2, 3, 384, 64))
-  npd = np.float16 if dtype == dtypes.half else np.float32
-  out = tok(attention(*[Tensor(tok(a).astype(npd)) for a in (q, k, v)], W).numpy())
-  assert out.dtype == npd
-  # half: ~2^-11 relative per value; float32: sums of ~400 terms at 2^-24
-  np.testing.assert_allclose(out.astype(np.float64), reference(q, k, v, W)[0], atol=1e-2 if dtype == dtypes.half else 1e-5)
+  q, k, v = unit_rms(rng, 2, 3, 384, 64), unit_rms(rng, 2, 3, 384, 64), rng.normal(size=(4, 3, 384, 64))
+  q, k, v = [a.astype(np.float16) for a in (q, k, v)]
+  out = tok(flash(*[Tensor(tok(a)) for a in (q, k, v)], W).numpy())
+  assert out.dtype == np.float16
+  q64, k64, v64 = [a.astype(np.float64) for a in (q, k, v)]
+  ref = np.stack([reference(q64[s % 2][None], k64[s % 2][None], v64[s][None], W)[0][0] for s in range(4)])  # v's s reads q, k's s % 2
+  np.testing.assert_allclose(out.astype(np.float64), ref, atol=1e-2)  # half: ~2^-11 relative per value
+  np.testing.assert_array_equal(tok(attention(*[Tensor(tok(a)) for a in (q, k, v[:2])], W).numpy()), out[:2])  # attention() is it
+
+@GPU
+@pytest.mark.parametrize("moved", ["q", "k"])
+@pytest.mark.parametrize("W", [0, 100, 384])
+def test_flash_delta(W:int, moved:str):
+  # o' - o of the local q and k draws (run on the GPU machine), four draws of two sequences, against float64 attentions of the same half
+  # inputs before and after the move: a wrong sign, a missing B o term, a product taken with the wrong operand (q for D or D for k), the
+  # mask left out of the moved weights, or a draw reading another sequence's q, k or u fails by O(1) of the change. The kernel rounds
+  # w and e to half: 2^-11 of each term, so 2^-9 of the largest change; at W = 0 each query sees only itself and the change is 0, up to
+  # float32 rounding of terms of ~0.1 (1e-6 leaves a factor of 30)
+  rng = np.random.default_rng(W)
+  q, k, u = unit_rms(rng, 2, 3, 384, 64), unit_rms(rng, 2, 3, 384, 64), rng.normal(size=(2, 3, 384, 64))
+  base = np.concatenate([q if moved == "q" else k] * 2)
+  d = unit_rms(rng, *base.shape) * 0.05 + base
+  d = d / np.sqrt((d ** 2).mean(-1, keepdims=True)) - base  # as the draws move q^ or k^: renormalized, a change of ~0.05 a value
+  q, k, u, d = [a.astype(np.float16).astype(np.float64) for a in (q, k, u, d)]
+  def change(q:np.ndarray, k:np.ndarray, u:np.ndarray, d:np.ndarray) -> np.ndarray:
+    moved_q, moved_k = (q + d, k) if moved == "q" else (q, k + d)
+    return reference(moved_q[None], moved_k[None], u[None], W)[0][0] - reference(q[None], k[None], u[None], W)[0][0]
+  ref = np.stack([change(q[s % 2], k[s % 2], u[s % 2], d[s]) for s in range(4)])
+  out = tok(delta(*[Tensor(tok(a).astype(np.float16)) for a in (q, k, u, d)], moved, W).numpy())
+  assert out.dtype == np.float32
+  np.testing.assert_allclose(out, ref, atol=2**-9 * np.abs(ref).max() + 1e-6, rtol=0)

@@ -14,7 +14,7 @@ CHOSEN = """
 from tinygrad import Context, Tensor, dtypes
 from kernels import loss
 from kernels.attention import attention
-from kernels.flash import fits
+from kernels.flash import delta, fits, flash
 from kernels.matmul import linear, tuned
 from kernels.norm import norm, qk_norm
 for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096, 512)):  # the dust preset's linear layers, few tokens
@@ -26,10 +26,12 @@ assert not tuned(Tensor.empty(128, 32, dtype=dtypes.half), Tensor.empty(8, 32)) 
 assert not tuned(Tensor.empty(64, 512, dtype=dtypes.half), Tensor.empty(512, 512))  # too few tokens for the tile
 assert not tuned(Tensor.empty(128, 128), Tensor.empty(128, 128))                  # float32
 q = Tensor.empty(1, 2048, 8, 64, dtype=dtypes.half)
-assert fits(q, q) and fits(q.float(), q.float()) and not fits(q, q.float()) and not fits(q[..., :32], q[..., :32])
-assert not fits(q[:, :100], q[:, :100])
-for W in (1024, 2048):  # the dust preset's two windows, in half and in float32
-  for t in (q, q.float()): assert attention(t, t, t, W).realize().shape == q.shape
+assert fits(q, q) and not fits(q.float(), q.float()) and not fits(q, q.float()) and not fits(q[..., :32], q[..., :32])
+assert not fits(q[:, :100], q[:, :100]) and fits(q, q.repeat(8, 1, 1, 1)) and not fits(q.repeat(3, 1, 1, 1), q.repeat(8, 1, 1, 1))
+d = q.repeat(8, 1, 1, 1)  # a Dust chunk's 8 draws of one sequence
+for W in (1024, 2048):  # the dust preset's two windows; the draws' kernels, q, k (and u) shared by the draws
+  assert attention(q, q, q, W).realize().shape == q.shape and flash(q, q, d, W).realize().shape == d.shape
+  for moved in ("q", "k"): assert delta(q, q, q, d, moved, W).realize().shape == d.shape
 cos = Tensor.empty(2048, 1, 32)
 for t, dt in ((q, dtypes.half), (q.float(), dtypes.float32)): assert qk_norm(t, cos, cos, dt).realize().shape == q.shape
 x = Tensor.empty(8, 2048, 512)
