@@ -4,6 +4,7 @@ import copy, math
 import numpy as np
 import pytest
 from tinygrad import Tensor, Context, GlobalCounters, dtypes
+from kernels import flash
 from kernels.noise import gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig, release
 import dust
@@ -194,7 +195,8 @@ def test_clean_attention_follows_its_records():
 def test_local_delta_in_half(setup, kind:str):
   """On a GPU the v, gate and ve draws read the clean probabilities p in half precision (float32 accumulation): they enter linearly,
   Δo = p Δu, with no difference of nearby values taken, so rounding p and Δu to half (eps = 2^-11) moves Δo by ~eps relative.
-  Allow 2x. (q and k need a difference o' - o; they stay in float32, where the two models agree exactly.)"""
+  Allow 2x. (q and k need a difference o' - o; in tensor ops they stay in float32, where the two models agree exactly. On NVIDIA GPUs
+  kernels/flash.py's kernels take over: test_fused_attention_draws.)"""
   model, x, y, _ = setup
   _, rec = model.capture(x, y)
   half = copy.copy(model)
@@ -206,6 +208,31 @@ def test_local_delta_in_half(setup, kind:str):
     outs.append(att.delta(kind, a, sigma, 2).numpy())
   rel = np.linalg.norm(outs[1] - outs[0]) / np.linalg.norm(outs[0])
   assert rel < 2 * eps, rel
+
+@pytest.mark.skipif(not flash.fits(Tensor.empty(1, 128, 1, 64, dtype=dtypes.half), Tensor.empty(1, 128, 1, 64, dtype=dtypes.half)),
+                    reason="kernels/flash.py runs on NVIDIA GPUs (sm_80+) only")
+def test_fused_attention_draws():
+  """On NVIDIA GPUs the attention-internal draws run kernels/flash.py's kernels (run on the GPU machine): q and k make o' - o from the
+  change of q^ or k^ in half, and v, gate and ve remake p in the flash kernel. Their chunk estimates against the tensor ops'
+  (CUDA_KERNELS=0: o' - o in float32, p kept in half), from the same capture and keys: the kernels round each term to half, 2^-11
+  relative; allow 4x that of the largest value. A draw reading another draw's noise or sequence, a wrong sign or a lost term fails by
+  O(1). (On the dust preset at depths 0, 3 and 7: 2e-4 to 6e-4, `.prof/fused.py`.)"""
+  cfg = GPTConfig(vocab=256, seq_len=256, n_layer=2, n_head=2, n_embd=128)  # heads of 64, 128-token blocks: shapes the kernels take
+  model, tensor_ops = GPT(cfg, dtype=dtypes.half), GPT(cfg, dtype=dtypes.half)  # the same weights; two objects, as JITs are per model
+  rng = np.random.default_rng(0)
+  x, y = [Tensor(rng.integers(0, cfg.vocab, (2, cfg.seq_len)).astype(np.int32)).realize() for _ in range(2)]
+  _, rec = model.capture(x, y)
+  target, keys = Tensor(rng.normal(size=(2, cfg.seq_len, cfg.n_embd)).astype(np.float32) * 1e-3).realize(), dust.chunk_keys(0, 2, 1)[:, 0, 0]
+  for i in range(cfg.n_layer):  # block 1 has value embeddings: all five kinds
+    out = {}
+    for fused, m in ((True, model), (False, tensor_ops)):
+      with Context(CUDA_KERNELS=int(fused)):
+        att = dust.CleanAttention.capture(m, rec, i)
+        assert att.fused == fused
+        for kind in dust.local_kinds(m, i): out[fused, kind] = dust.local_error(att, kind, target, 0.05, 0.98, keys, 2).numpy()
+        release(att.jit)
+    for kind in dust.local_kinds(model, i):
+      np.testing.assert_allclose(out[True, kind], out[False, kind], atol=4 * 2**-11 * np.abs(out[False, kind]).max(), rtol=0, err_msg=kind)
 
 def test_local_draws_hold_one_score_matrix():
   """A k chunk reruns the attention for each of its nrep draws. Draw by draw, its replay holds one draw's T x T scores and softmax
