@@ -245,9 +245,9 @@ class CleanAttention:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
     t = self.t
     if kind in ("q", "k"):
-      # fused: every draw in one kernel, which makes o' - o from the change of q^ or k^ itself, in half (kernels/flash.py's delta)
-      if self.fused: return flash.delta(t["qh16"], t["kh16"], t["u16"], (self.hat(tile(t[kind], n) + sigma * a) - tile(t[kind + "h"], n)).half(),
-                                        kind, self.window)
+      if self.fused:  # every draw in one kernel, which makes o' - o from the change of q^ or k^ itself, in half (kernels/flash.py's delta)
+        change = self.hat(tile(t[kind], n) + sigma * a) - tile(t[kind + "h"], n)  # in float32: both are ~1, their difference ~sigma
+        return flash.delta(t["qh16"], t["kh16"], t["u16"], change.half(), kind, self.window)
       # else a draw at a time, each realized, so that the scheduler can't order all draws' scores first (inside a JIT too: the memory
       # plan then reuses one draw's T x T buffers for the next)
       return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])

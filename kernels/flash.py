@@ -9,7 +9,7 @@ on the side. QK-norm bounds every score by sqrt(hd), so exp needs no running max
 result is the tensor version's, summed in another order. Key blocks that a warp's queries can't see are skipped, and the mask is
 applied only in the blocks that a window edge cuts. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and v
 fill the 48 KB of static shared memory. q and k may hold fewer sequences than v, QB, each shared by the v sequences s with the same
-s % QB: a Dust draw batch's n copies of the clean q and k, never made (DELTA below takes the same).
+s % QB: a Dust draw batch's n copies of the clean q and k, never made (SOURCE_DELTA below takes the same).
 """
 import math
 from tinygrad import Tensor, dtypes
@@ -120,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, c
 # Only the small quantities are made in half: with w = exp(S / sqrt(hd)) and e = w (exp(delta / sqrt(hd)) - 1), the moved weights are
 # w + e, so o' = (w u + e u) / (Z + B) with Z, B the row sums of w and e, and o' - o = (e u - B o) / (Z + B), o = w u / Z. e and delta
 # keep their own relative precision, where o' and o in half would lose it all to the difference. Each warp's 16 queries take both
-# products, w u and e u; 4 warps, 64 queries a block, so that two blocks share an SM despite their registers (179 a thread). q, k and u
+# products, w u and e u; 4 warps, 64 queries a block, so that two blocks share an SM despite their registers (~180 a thread). q, k and u
 # have QB sequences, D and the output one per draw. On the H200, 8 draws of 8 x 2048 tokens took 3.7 ms, where the float32 attention
 # on the CUDA cores that it replaces (o' and o each in float32) took 8.7 ms.
 SOURCE_DELTA = TILE + r"""
@@ -158,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(float *__restrict__ O, 
     wait<1>();
     __syncthreads();
     if (j * 64 <= q0 + 15 && j * 64 + 63 >= q0 - WINDOW) {{
-      float s[8][4] = {{}}, d[8][4] = {{}};
+      float s[8][4] = {{}}, ds[8][4] = {{}};  // S and delta
       scores(s, qf, buf + st * 4096, lane);
-      scores(d, QDRAW ? df : qf, buf + (QDRAW ? st : 2 + st) * 4096, lane);
+      scores(ds, QDRAW ? df : qf, buf + (QDRAW ? st : 2 + st) * 4096, lane);
       unsigned w[8][2], e[8][2];
       #pragma unroll
       for (int ni = 0; ni < 8; ni++) {{
@@ -170,8 +170,8 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(float *__restrict__ O, 
         for (int c = 0; c < 4; c++) wf[c] = seen(qr, t, c) ? __expf(s[ni][c] * {SCALE}f) : 0.f;
         w[ni][0] = pack(wf[0], wf[1]); w[ni][1] = pack(wf[2], wf[3]);
         const float2 w0 = __half22float2(*(half2 *)&w[ni][0]), w1 = __half22float2(*(half2 *)&w[ni][1]);  // as rounded: what multiplies u
-        ef[0] = w0.x * expm1f(d[ni][0] * {SCALE}f); ef[1] = w0.y * expm1f(d[ni][1] * {SCALE}f);
-        ef[2] = w1.x * expm1f(d[ni][2] * {SCALE}f); ef[3] = w1.y * expm1f(d[ni][3] * {SCALE}f);
+        ef[0] = w0.x * expm1f(ds[ni][0] * {SCALE}f); ef[1] = w0.y * expm1f(ds[ni][1] * {SCALE}f);
+        ef[2] = w1.x * expm1f(ds[ni][2] * {SCALE}f); ef[3] = w1.y * expm1f(ds[ni][3] * {SCALE}f);
         e[ni][0] = pack(ef[0], ef[1]); e[ni][1] = pack(ef[2], ef[3]);
         const float2 e0 = __half22float2(*(half2 *)&e[ni][0]), e1 = __half22float2(*(half2 *)&e[ni][1]);
         z0 += w0.x + w0.y; z1 += w1.x + w1.y; b0 += e0.x + e0.y; b1 += e1.x + e1.y;
@@ -196,14 +196,14 @@ def fits(q:Tensor, v:Tensor) -> bool:
   return available(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[1] % BQ == 0 and \
     v.shape[0] % q.shape[0] == 0
 
-def seen(T:int, window:int) -> int: return sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask
+def pairs(T:int, window:int) -> int: return sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask
 
 def flash(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   """softmax(q k^T / sqrt(hd) + mask) v for unit-RMS q and k [QB, T, H, 64], v [B, T, H, 64], all half -> [B, T, H, 64] half."""
   (QB, T, H, _), B = q.shape, v.shape[0]
   name = f"flash_{B * H}_{T}_{window}" + (f"_{QB}" if QB != B else "")
   src = SOURCE.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)))
-  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 4, 4 * HD * B * H * seen(T, window), 2 * 4 * B * H * T * HD)  # two matmuls of 2 hd flops
+  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 4, 4 * HD * B * H * pairs(T, window), 2 * 4 * B * H * T * HD)  # two matmuls of 2 hd flops
   return Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]
 
 def delta(q:Tensor, k:Tensor, u:Tensor, d:Tensor, moved:str, window:int) -> Tensor:
@@ -212,5 +212,5 @@ def delta(q:Tensor, k:Tensor, u:Tensor, d:Tensor, moved:str, window:int) -> Tens
   (QB, T, H, _), B = q.shape, d.shape[0]
   name = f"flash_delta_{moved}_{B * H}_{T}_{window}_{QB}"
   src = SOURCE_DELTA.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)), QDRAW=int(moved == "q"))
-  fxn = program(q.device, name, src, (T // 64, B * H), 128, 5, 8 * HD * B * H * seen(T, window), 2 * 5 * B * H * T * HD)
+  fxn = program(q.device, name, src, (T // 64, B * H), 128, 5, 8 * HD * B * H * pairs(T, window), 2 * 5 * B * H * T * HD)
   return Tensor.empty(B, T, H, HD, dtype=dtypes.float32, device=q.device).custom_kernel(q, k, u, d, fxn=fxn)[0]
