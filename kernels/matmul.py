@@ -11,7 +11,7 @@ ldmatrix. On the H200 at those shapes it runs at 245-281 TFLOP/s, with results b
 On Hopper (sm_90: the H100, H200) the same block runs HOPPER instead: its two warpgroups (128 threads each) multiply their 64x128 half
 of the tile with wgmma, which reads both operands from the shared-memory tiles themselves (their swizzle is wgmma's 64-byte one)
 and runs asynchronously, while the threads wait for the next tile. 266-356 TFLOP/s at the four shapes (1.08-1.34x mma.sync, measured
-side by side on the H200, `.prof/wg2.py`), with identical results. Larger tiles or more stages would need more than the 48 KB of static
+side by side on the H200), with identical results. Larger tiles or more stages would need more than the 48 KB of static
 shared memory that tinygrad's launches allow (they pass no dynamic shared memory).
 
 Where kernels/cuda.py's kernels don't run (CPU, AMD, Metal, tinygrad's PTX renderer, older GPUs), and for shapes the tile doesn't
@@ -113,6 +113,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
       uint4 *p = (uint4 *)(ta + swz((tid + i * 256) >> 2, tid & 3)), v = *p;
       v.x = act(v.x); v.y = act(v.y); v.z = act(v.z); v.w = act(v.w); *p = v;
     }}
+    // (in this order: with the fence first, NVRTC 12 crashed compiling the kernel with an activation)
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // this warpgroup's products of tile kt - 1 are done
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");    // the tile's shared memory, as written, is what wgmma will read
     __syncthreads();  // ... for every thread's copies; and every warpgroup is done with tile kt - 1, whose stage the next load overwrites

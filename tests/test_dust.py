@@ -216,7 +216,7 @@ def test_fused_attention_draws():
   change of q^ or k^ in half, and v, gate and ve remake p in the flash kernel. Their chunk estimates against the tensor ops'
   (CUDA_KERNELS=0: o' - o in float32, p kept in half), from the same capture and keys: the kernels round each term to half, 2^-11
   relative; allow 4x that of the largest value. A draw reading another draw's noise or sequence, a wrong sign or a lost term fails by
-  O(1). (On the dust preset at depths 0, 3 and 7: 2e-4 to 6e-4, `.prof/fused.py`.)"""
+  O(1). (Measured on the H200 with the dust preset, at depths 0, 3 and 7: 2e-4 to 6e-4.)"""
   cfg = GPTConfig(vocab=256, seq_len=256, n_layer=2, n_head=2, n_embd=128)  # heads of 64, 128-token blocks: shapes the kernels take
   model, tensor_ops = GPT(cfg, dtype=dtypes.half), GPT(cfg, dtype=dtypes.half)  # the same weights; two objects, as JITs are per model
   rng = np.random.default_rng(0)
