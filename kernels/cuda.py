@@ -1,4 +1,4 @@
-"""CUDA C kernels inside tinygrad: the pieces that kernels/matmul.py and kernels/flash.py share.
+"""CUDA C kernels inside tinygrad: the pieces that the kernels of kernels/ (matmul, flash, loss, norm) share.
 
 A kernel reaches tinygrad as a PROGRAM whose source is CUDA C: tinygrad compiles it with NVRTC, and its scheduler, JIT and memory
 planner treat it as one of its own kernels. They are used where tinygrad's renderer is CUDA C for an sm_80+ GPU (cp.async, and

@@ -135,10 +135,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
 }}
 """
 
+def wgmma(device:str) -> bool:  # Hopper exactly: code for sm_90a, the target with wgmma, doesn't run on later GPUs (sm_100, sm_120)
+  return sm(device) == 90
+
 def matmul(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
   """act(x) [M, K] @ w [N, K].T in half, as one kernel."""
   (M, K), N = x.shape, w.shape[0]
-  hopper = sm(x.device) >= 90
+  hopper = wgmma(x.device)
   name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_{act}" if act else "")
   src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None))
   fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + N * K + M * N), "sm_90a" if hopper else None)

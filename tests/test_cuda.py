@@ -11,12 +11,13 @@ from kernels.norm import norm, qk_norm
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CHOSEN = """
-from tinygrad import Context, Tensor, dtypes
+from tinygrad import Context, Device, Tensor, dtypes
 from kernels import loss
 from kernels.attention import attention
 from kernels.flash import delta, fits, flash
-from kernels.matmul import linear, tuned
+from kernels.matmul import linear, tuned, wgmma
 from kernels.norm import norm, qk_norm
+assert wgmma(Device.DEFAULT)  # an H200: the GEMMs below are wgmma's
 for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096, 512)):  # the dust preset's linear layers, few tokens
   x, w = Tensor.empty(1, M, K, dtype=dtypes.half), Tensor.empty(N, K)
   assert tuned(x, w)
@@ -53,15 +54,21 @@ x = Tensor.empty(8, 2048, 512)
 print("chosen", tuned(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)), fits(q, q), loss.fits(z, 15.0), qk_fits(q, q.dtype),
       norm_fits(x, dtypes.half))
 """
+LATER = """
+from tinygrad import Device, Tensor, dtypes
+from kernels.matmul import linear, tuned, wgmma
+x, w = Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)
+print(wgmma(Device.DEFAULT), tuned(x, w), linear(x, w).realize().shape)
+"""
 
 def nvrtc() -> bool:
   try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
   except ModuleNotFoundError: return False
 
-def run(renderer:str, code:str) -> subprocess.CompletedProcess:
-  """code on tinygrad's NULL device for sm_90 with this renderer, NVRTC and the CUDA headers from pip."""
+def run(renderer:str, code:str, arch:str="sm_90") -> subprocess.CompletedProcess:
+  """code on tinygrad's NULL device for this GPU architecture with this renderer, NVRTC and the CUDA headers from pip."""
   nvidia = pathlib.Path(importlib.util.find_spec("nvidia").submodule_search_locations[0])
-  env = {**os.environ, "DEV": f"MOCK+NULL:{renderer}:sm_90", "PYTHONPATH": str(ROOT), "CUDA_PATH": str(nvidia / "cuda_runtime"),
+  env = {**os.environ, "DEV": f"MOCK+NULL:{renderer}:{arch}", "PYTHONPATH": str(ROOT), "CUDA_PATH": str(nvidia / "cuda_runtime"),
          "LD_LIBRARY_PATH": str(nvidia / "cuda_nvrtc" / "lib")}
   return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -72,6 +79,9 @@ def test_compiled_for_the_h200():
   # tinygrad's PTX renderer can't compile CUDA C, so there no kernel may be chosen
   r = run("PTX", ASKED)
   assert r.returncode == 0 and r.stdout.strip() == "chosen False False False False False", r.stderr[-3000:]
+  # wgmma on Hopper only: sm_90a's code doesn't load on a later GPU (a Blackwell RTX card, sm_120), which takes the mma.sync kernel
+  r = run("CUDA", LATER, arch="sm_120")
+  assert r.returncode == 0 and r.stdout.strip() == "False True (128, 512)", r.stderr[-3000:]
 
 @pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
 def test_loss():
