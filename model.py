@@ -5,14 +5,16 @@ A *site* is a layer output that Dust jitters: `losses(idx, targets, jitter={site
 pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`, DUST.md §3.10).
 """
 from __future__ import annotations
-import itertools, math
-from typing import Iterable
+import itertools, math, weakref
+from typing import Callable, Iterable
 from dataclasses import dataclass, replace
 import numpy as np
-from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad import Context, Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinygrad.device import Buffer
-from tinygrad.uop.ops import UOp, buffers
+from tinygrad.nn.state import get_parameters
+from tinygrad.tensor import all_tensors
+from tinygrad.uop.ops import Ops, UOp, buffers
 from kernels.attention import attention
 from kernels.loss import fits, softcapped_loss
 from kernels.matmul import activate, linear
@@ -272,12 +274,32 @@ def jitted(fn, model:GPT, *shape, **static) -> TinyJit:
   they key the cache; the model's id does too, and the JIT's closure keeps the model alive, so an id is never reused.
   It captures at its first call. A TinyJit runs its first call eagerly, as a warm-up for functions that set up state on first use
   (these don't: all they read is an input or already realized); eagerly, there is no memory plan, so the first Dust update at pop
-  1024 peaked at 46.5 GiB on the H200 against 8.0 for the next, and every graph was scheduled twice, eagerly and to capture."""
-  k = (fn.__name__, id(model), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+  1024 peaked at 46.5 GiB on the H200 against 8.0 for the next, and every graph was scheduled twice, eagerly and to capture.
+  The capture runs `apart`, so that no tensor outside the JIT is left reading the JIT's own buffers."""
+  k = (fn, id(model), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # fn itself: two functions may share a name
   if k not in _jits:
-    _jits[k] = TinyJit(lambda *a: fn(model, *a, **static))
+    _jits[k] = TinyJit(lambda *a: apart(fn, model, *a, **static))
     _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
   return _jits[k]
+
+def apart(fn:Callable, *a, **kw):
+  """fn(*a, **kw) and its results realized, with the lazy tensors that exist now out of tinygrad's sight. Realizing rewrites every
+  live tensor that shares the realized nodes to read their new buffers, and UOps are hash-consed: a user's lazy forward on the same
+  batch and weights *is* the graph that a Dust capture realizes. Inside a JIT's capture those buffers are the JIT's own, which its
+  next replay writes again and `release` frees, so that tensor would read another batch's values or freed memory (test_lazy). Out of
+  sight, it stays lazy and computes its own values when it is realized. A pending assign is done first, outside: captured, it would be
+  done again at every replay. A TinyJit calls its function only to capture it (and at every call under JIT=0), so a replay pays nothing."""
+  def live() -> list[Tensor]: return [t for ref in list(all_tensors) if (t := ref()) is not None]
+  if pending := [t for t in live() if t.uop.base.op is Ops.AFTER]:
+    with Context(CAPTURING=0): Tensor.realize(*pending)  # run now, not recorded into the capture
+  hidden = [t for t in live() if not t.uop.is_realized]
+  for t in hidden: del all_tensors[weakref.ref(t)]
+  try:
+    ret = fn(*a, **kw)
+    if outs := get_parameters(ret): Tensor.realize(*outs)  # here, not in TinyJit after this returns: that realize would rewrite them too
+    return ret
+  finally:
+    for t in hidden: all_tensors[weakref.ref(t)] = None
 
 def release(jit:TinyJit) -> None:
   """Free what a captured JIT writes (its memory-plan arenas, and its outputs if it has any of its own) until its next replay, which
