@@ -14,13 +14,14 @@ so Dust's memory grows linearly with the loop count, unlike MeZO/ES (DESIGN.md p
 in every perturbed pass, the outer products formed chunk by chunk) would keep it flat, at more compute and much more code.
 """
 from __future__ import annotations
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, Variable, dtypes
+from tinygrad.uop.ops import UOp
 from kernels.attention import attention, mix, probs, spans
 from kernels import flash
-from kernels.noise import key as root_key, fold, gaussian
+from kernels.noise import key as root_key, fold, gaussian, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
 from model import GPTConfig, jitted, release, softcap
@@ -103,33 +104,60 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) 
   assert r.head % (nrep * 16) == 0, "head draws must split evenly over 16 slabs of nrep-draw chunks (§3.9)"
   return r
 
+def forwards(rc:Recipe) -> float:
+  """The network forwards an update's arithmetic needs: the clean capture, each direct draw's rerun from its block ((L - l)/L of the
+  blocks at block l of L; all of them for the embedding), and two full forwards per scalar draw. The head's and the attention
+  internals' draws rerun no network (a slab of the cached logits; one attention), so they count as none."""
+  L = len(rc.writers)
+  return 1 + rc.embedding + 2 * rc.scalar_draws + sum((w + h + u) * (L - l) / L for l, (w, h, u) in enumerate(zip(rc.writers, rc.hidden, rc.hubs)))
+
 # ***** keys and the chunk loop *****
 
 GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
+# bound at each JIT call: kernel arguments, not constants, so that every group and block runs the same compiled kernels (as
+# constants they made each (group, block) compile its own: 224 s of compiling for a tiny model's first pop-64 step on 2 CPU cores)
+GROUP, BLOCK, CHUNK, FIRST = Variable("group", 0, len(GROUPS)), Variable("block", 0, 1 << 16), Variable("chunk", 0, 1 << 24), Variable("first", 0, 1)
 
-def chunk_keys(key:int, n_blocks:int, n_chunks:int) -> np.ndarray:
-  """[chunk, block, group, 2]: fold(key, group, block, chunk) for every triple in one kernel; sites fold one more time."""
-  return fold(root_key(key), Tensor.arange(len(GROUPS)), Tensor.arange(n_blocks), Tensor.arange(n_chunks)).numpy()
+@dataclass(frozen=True)
+class Draws:
+  """Chunks `chunks` of a group's draws at a block: chunk c's key is fold(key, group, block, c) (sites fold once more). The chunk
+  JITs compute the keys themselves, from the step's key (an input), the group, the block and the call's first chunk (bound
+  Variables: a new call is a new kernel argument, not an upload)."""
+  key:Tensor  # the step's key, on the device that runs the draws
+  group:int   # the index in GROUPS
+  block:int
+  chunks:range
 
-def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], args:Iterable[tuple[Tensor, ...]], *inputs,
-               **static) -> list[Tensor]:
-  """Sum chunk(model, *a, *inputs, **static) over the chunks' args a (their keys). The chunk runs as one TinyJit that
-  lives across steps: every tensor it reads is an input (the batch, the capture, the weights, the sums), so the next step's tensors
-  take the place of this step's and nothing is traced or compiled again, and the sums are updated in place (TINYGRAD.md §2). The
-  JIT's scratch buffers are freed after its group, so the update's ~60 JITs never hold their activations at the same time."""
-  args = list(args)
-  acc = [Tensor.zeros(*s, device=args[0][0].device).contiguous() for s in shapes]  # where the chunks' keys are
-  Tensor.realize(*acc, *[t for a in args for t in a])  # and every chunk's key uploaded, at once: each realize walks all live tensors
-  jit = jitted(summed, model, tuple(shapes), chunk=chunk, **static)
-  for a in args: jit(*a, *inputs, acc)
+# A Dust JIT call batches as many chunks of draws as hold this many tokens together: the dust preset's chunk (8 draws of 8 x 2048),
+# which fills an H200, so one chunk a call there and 8 at the small preset's 8 x 256, where a call of one chunk had cost more host
+# time than its kernels (771 calls a pop-1024 update: 4.8 s of host time on the NULL device, 2 cores).
+TOKENS = 131072
+
+_sums:dict[tuple[int, int, int], list[Tensor]] = {}
+def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
+               unit:int|None=None, **static) -> list[Tensor]:
+  """Sum chunk(model, keys, *inputs, **static) over the draws' chunks, `tokens` tokens each: G chunks a call (keys [G, 2]; or with
+  a `unit`, G runs of `unit` chunks, keys [G, unit, 2]), G the most that divide the runs and hold at most TOKENS tokens. It runs as one
+  TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture, the weights), so the next step's tensors
+  take the place of this step's and nothing is traced or compiled again. The sums are the group's own, kept across steps and zeroed
+  by its first call: allocating them at every group, by realizes that each walk every live tensor, had cost more host time
+  than a small model's draws. The JIT's scratch is freed after its group, so the update's ~60 JITs never hold it at the same time."""
+  n = len(draws.chunks) // (unit or 1)
+  G = max(g for g in range(1, n + 1) if n % g == 0 and (g == 1 or g * tokens <= TOKENS))
+  jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, **static)
+  sums = _sums.setdefault((id(jit), draws.group, draws.block), [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes])
+  where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
+  for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), *inputs, sums)
   release(jit)
-  return acc
+  return sums
 
-def summed(model, *a, chunk:Callable[..., list[Tensor]], **static) -> Tensor:
+def summed(model, key:Tensor, group:UOp, block:UOp, c:UOp, first:UOp, *a, chunk:Callable[..., list[Tensor]], G:int, unit:int|None,
+           **static):
   *a, acc = a
-  return Tensor.realize(*[s.assign(s + d) for s, d in zip(acc, chunk(model, *a, **static))])
+  ks = fold(key, Tensor(group), Tensor(block), Tensor(c).cast(dtypes.uint32) + Tensor.arange(G * (unit or 1), dtype=dtypes.uint32))
+  keep = Tensor(first).cast(dtypes.bool).logical_not()  # where(): the last step's sums are never multiplied, so nothing of them stays
+  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d) for s, d in zip(acc, chunk(model, ks if unit is None else ks.reshape(G, unit, 2), *a, **static))])
 
-def keyed(keys:np.ndarray, device:str) -> Iterator[tuple[Tensor]]: return ((Tensor(k, device=device),) for k in keys)
 def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
 
 # ***** direct draws: writers, hidden, embedding, hubs (§3.3, §3.4) *****
@@ -138,7 +166,7 @@ def recorded(model, site:str, depth:int|None) -> str:
   """The capture's name of a site's output at a depth: the site itself, or `site@i` at loop i of the looped model."""
   return site if depth is None else site + model.tag(depth)
 
-def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ...], sigma:float, keys:np.ndarray, nrep:int,
+def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ...], sigma:float, draws:Draws, nrep:int,
            rerun:str="block", depths:tuple[int|None, ...]=(None,)) -> dict[str, Tensor]:
   """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
   the chunk's draws. Returns the per-token estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each
@@ -148,50 +176,52 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
   stream, params = model.rerun_inputs(rec, sites) if rerun == "block" else ({}, model.params)
-  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], keyed(keys, x.device), x, y, stream, params,
+  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream, params,
                  sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun)
-  return {recorded(model, sites[j], d): e / (nrep * len(keys)) for (j, d, _), e in zip(outs, E)}
+  return {recorded(model, sites[j], d): e / (nrep * len(draws.chunks)) for (j, d, _), e in zip(outs, E)}
 
 def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], params:dict[str, Tensor], sites:tuple[str, ...],
                  sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str) -> list[Tensor]:
-  """One chunk of `direct`: nrep draws, one per copy of the batch; outs lists (site index, depth, width) of the estimates."""
-  B, T = y.shape[:2]
+  """G chunks of `direct` in one pass (k: their keys [G, 2]), nrep draws each, one per copy of the batch; outs lists (site index,
+  depth, width) of the estimates."""
+  B, T, G = *y.shape[:2], k.shape[0]
   ks = [fold(k, i) for i in range(len(sites))]
-  loss = model.losses(tile(x, nrep), tile(y, nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, stream if rerun == "block" else None, params)
-  loss = loss.reshape(nrep, B, T)
-  reward = loss.mean(0) - loss  # r_i - mean_j r_j with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
+  loss = model.losses(tile(x, G * nrep), tile(y, G * nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, stream if rerun == "block" else None,
+                      params).reshape(G, nrep, B, T)
+  # r_i - mean_j r_j over the chunk's draws, with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
+  reward = loss.mean(1, keepdim=True) - loss
   def noise(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
-    return gaussian(ks[j] if d is None else model.site_key(ks[j], d), (nrep * B, T, w)).reshape(nrep, B, T, w)
-  return [-(reward.unsqueeze(-1) * noise(j, d, w)).sum(0) / sigma for j, d, w in outs]
+    return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * nrep * B, T, w)).reshape(G, nrep, B, T, w)
+  return [-(reward.unsqueeze(-1) * noise(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]
 
 # ***** output head: the slab trick on the cached logits (§3.6) *****
 
-def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, keys:np.ndarray, nrep:int) -> Tensor:
+def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, draws:Draws, nrep:int) -> Tensor:
   """Chunk m jitters slab m mod S (256 raw-logit columns) and recomputes the loss from cached slab sums: no network rerun, and each
   reward reflects only 256 columns. A vocab that isn't a multiple of 256 is one slab of its own width."""
   z = rec["lm_head"].float()
   B, T, V = z.shape
   S = slabs(model)
   W = V // S
-  assert len(keys) % S == 0, f"{len(keys)} head chunks don't cycle evenly over {S} slabs"
+  assert len(draws.chunks) % S == 0, f"{len(draws.chunks)} head chunks don't cycle evenly over {S} slabs"
   c, hit = softcap(z, model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
   slab_sum = c.exp().reshape(B, T, S, W).sum(-1)  # |c| <= cap, so exp needs no max-subtraction
   c_y = (c * hit).sum(-1)
   clean = {"z": z.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
   Tensor.realize(*clean.values())
-  cycles = keys.reshape(-1, S, *keys.shape[1:])  # a JIT call per cycle over the slabs: the head's chunks are too short for one each
-  (E,) = accumulate(head_chunk, model, [(B, T, S, W)], keyed(cycles, z.device), clean, y, sigma=sigma, nrep=nrep)
-  return E.reshape(B, T, V) / (nrep * len(keys) // S)  # the draws each slab received
+  # a cycle over the slabs at least a call: the head's chunks are too short for one each
+  (E,) = accumulate(head_chunk, model, [(B, T, S, W)], draws, S * nrep * B * T, clean, y, unit=S, sigma=sigma, nrep=nrep)
+  return E.reshape(B, T, V) / (nrep * len(draws.chunks) // S)  # the draws each slab received
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
 
 def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float, nrep:int) -> list[Tensor]:
-  """S chunks of `head_error`, chunk m on slab m with key ks[m]; clean: the capture's raw logits z as [B, T, S, W] slabs, and the
-  softcapped logits' exp-sums per slab, target logit and loss."""
+  """G cycles of S chunks of `head_error` (ks [G, S, 2]), the G chunks on slab m keyed ks[:, m]; clean: the capture's raw logits z
+  as [B, T, S, W] slabs, and the softcapped logits' exp-sums per slab, target logit and loss."""
   B, T, S, W = clean["z"].shape
   slab_sum = clean["slab_sum"]
   def slab(m:int) -> Tensor:
-    a = gaussian(ks[m], (nrep, B, T, W)).contiguous()  # materialized once: three reductions read it
+    a = gaussian(ks[:, m], (nrep, B, T, W)).reshape(-1, B, T, W).contiguous()  # materialized once: three reductions read it
     c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
@@ -283,40 +313,42 @@ def credit(T:int, window:int, gamma:float) -> Tensor:
   lag = Tensor.arange(T).reshape(1, T) - Tensor.arange(T).reshape(T, 1)
   return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0).contiguous()  # not recomputed inside the matmul that reads it
 
-def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:float, keys:np.ndarray, nrep:int) -> Tensor:
+def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:float, draws:Draws, nrep:int) -> Tensor:
   """Score each draw by <target_s, delta o_s> per head, a first-order stand-in for the loss increase (so no minus sign and no
   centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
   B, T, H, hd = att.t["q"].shape
-  (E,) = accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], keyed(keys, target.device), att.t, target.realize(),
-                    kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)
-  return E / (nrep * len(keys))
+  (E,) = accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t,
+                    target.realize(), kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)
+  return E / (nrep * len(draws.chunks))
 
 def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int) -> list[Tensor]:
-  att = CleanAttention(model, depth, clean)
+  """G chunks of `local_error` (k: their keys [G, 2]), n = G nrep draws in all, one per copy of the batch."""
+  att, n = CleanAttention(model, depth, clean), k.shape[0] * nrep
   B, T, H, hd = clean["q"].shape
   shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
-  a = gaussian(fold(k, 0), shape)
-  score = (att.delta(kind, a, sigma, nrep) * tile(target.reshape(B, T, H, hd), nrep)).sum(-1)  # [n B, T, H]
+  a = gaussian(fold(k, 0), shape).reshape(n * B, *shape[1:])
+  score = (att.delta(kind, a, sigma, n) * tile(target.reshape(B, T, H, hd), n)).sum(-1)  # [n B, T, H]
   R = score if kind == "q" else credit(T, att.window, gamma) @ score
-  return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(nrep, B, T, -1).sum(0) / divisor]
+  return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(n, B, T, -1).sum(0) / divisor]
 
 # ***** residual-mix scalars: two-sided weight-space ES (§3.7) *****
 
-def scalar_es(model, x:Tensor, y:Tensor, sigma:float, keys:np.ndarray) -> dict[str, Tensor]:
+def scalar_es(model, x:Tensor, y:Tensor, sigma:float, draws:Draws) -> dict[str, Tensor]:
   """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
   L = model.params[SCALARS[0]].shape[0]
-  E = accumulate(scalar_chunk, model, [(L,), (L,)], keyed(keys, x.device), x, y, model.params, sigma=sigma)
-  return {n: e / len(keys) for n, e in zip(SCALARS, E)}
+  E = accumulate(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, model.params, sigma=sigma)
+  return {n: e / len(draws.chunks) for n, e in zip(SCALARS, E)}
 
 SCALARS = ("resid_lambdas", "x0_lambdas")
 def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, params:dict[str, Tensor], sigma:float) -> list[Tensor]:
-  L = params[SCALARS[0]].shape[0]
+  """G draws (k: their keys [G, 2]) as G members of one forward per sign, each member with its own scalars [G, L]."""
+  L, G = params[SCALARS[0]].shape[0], k.shape[0]
   a = gaussian(fold(k, 0), (2 * L,))
   def loss(sign:int) -> Tensor:
-    moved = {n: (params[n] + sign * sigma * a[i * L:(i + 1) * L]).contiguous() for i, n in enumerate(SCALARS)}  # not re-hashed per use
-    return model.losses(x, y, params=params | moved).sum()
-  slope = (loss(1) - loss(-1)) / (2 * sigma)
-  return [slope * a[:L], slope * a[L:]]
+    moved = {n: (params[n] + sign * sigma * a[:, i * L:(i + 1) * L]).contiguous() for i, n in enumerate(SCALARS)}  # not re-hashed per use
+    return model.losses(tile(x, G), tile(y, G), params=params | moved).reshape(G, -1).sum(1)
+  slope = ((loss(1) - loss(-1)) / (2 * sigma)).unsqueeze(1)
+  return [(slope * a[:, :L]).sum(0), (slope * a[:, L:]).sum(0)]
 
 # ***** reassembly and the estimator (§3.2, §3.8) *****
 
@@ -344,74 +376,103 @@ def embeddings(model) -> list[str]:  # the sites whose input is the batch of tok
 class Worker:
   """One device's part of a step: the model (or its replica on that device), the batch, and the clean capture that every estimate
   of the step reads. Each device captures its own: a clean forward costs less than copying the activations."""
-  def __init__(self, model, x:Tensor, y:Tensor):
-    self.model, self.x, self.y = model, x, y
+  def __init__(self, model, x:Tensor, y:Tensor, key:Tensor):
+    self.model, self.x, self.y, self.key = model, x, y, key
     self.capture = jitted(clean_capture, model, x.shape)  # a JIT: eagerly, its graph cost more host time than its kernels take
     self.loss, rec = self.capture(x, y, model.params)
     self.rec = rec | {f"{site}:in": x for site in embeddings(model)}
     self.attn:CleanAttention|None = None  # the depth that the local draws are at
     self.targets:dict[int, Tensor] = {}   # the hub errors, the local draws' targets, on this device
 
-def across(work:list[Worker], keys:np.ndarray, run:Callable[[Worker, np.ndarray], Any], unit:int=1) -> Any:
-  """run(worker, its share of the chunk keys) on every device that gets a share; each result is a mean over its share, so their mean
-  weighted by share size, on the first device, is the estimate of all the keys. Shares are whole multiples of `unit` chunks (the
-  head's slab cycle). Every device's work is launched before any result is read, so GPUs work at the same time."""
-  dev, parts = work[0].x.device, []
-  for w, r in zip(work, shares(len(keys) // unit, len(work))):
-    if len(r): parts.append((len(r) * unit / len(keys), run(w, keys[r.start * unit:r.stop * unit])))
+def across(work:list[Worker], draws:Draws, run:Callable[[Worker, Draws], Any], unit:int=1) -> Any:
+  """run(worker, its share of the draws' chunks) on every device that gets a share; each result is a mean over its share, so their
+  mean weighted by share size, on the first device, is the estimate of all the chunks. Shares are whole multiples of `unit` chunks
+  (the head's slab cycle). Every device's work is launched before any result is read, so GPUs work at the same time."""
+  dev, parts, n = work[0].x.device, [], len(draws.chunks)
+  for w, r in zip(work, shares(n // unit, len(work))):
+    mine = replace(draws, key=w.key, chunks=draws.chunks[r.start * unit:r.stop * unit])
+    if len(r): parts.append((len(r) * unit / n, run(w, mine)))
   def mean(ps:list[tuple[float, Any]]) -> Any:
     if isinstance(ps[0][1], dict): return {k: mean([(f, p[k]) for f, p in ps]) for k in ps[0][1]}
     return ps[0][1].to(dev) if len(ps) == 1 else sum(f * p.to(dev) for f, p in ps)
   return mean(parts)
 
-def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
-  """(the estimate, the clean mean loss of the capture pass). opts: recipe (a Recipe, else recipe(pop, budget, optimizer,
-  n_layer)), budget, optimizer, rerun ("block" | "full"), devices (split every group's chunks over this many devices).
-  Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at
-  every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations (see the top)."""
-  L = model.n_pblocks
-  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), L)
-  rerun, nrep, sigma = opts.get("rerun", "block"), rc.nrep, rc.sigma
-  work = [Worker(m, *inputs(m, x, y)) for m in replicas(model, opts.get("devices", 1))]
-  loss, rec = work[0].loss, work[0].rec
-  counts = [*rc.writers, *rc.hubs, rc.embedding, rc.head, *(c for v in rc.local.values() for c in v)]
-  table = chunk_keys(key, model.n_blocks, max(max(counts) // nrep, rc.scalar_draws))
-  def keys(group:str, l:int, draws:int) -> np.ndarray: return table[:draws // nrep, l, GROUPS.index(group)]
-  def depths(l:int) -> tuple[int, ...]: return tuple(i for i in range(model.n_blocks) if model.pblock(i) == l)  # (l,) in the GPT
-  def group(name:str, l:int|None, sites:tuple[str, ...], s:float, draws:int) -> dict[tuple[str, int|None], Tensor]:
-    """The group's per-token errors, keyed by (site, depth); l is the parameter block, None outside the blocks."""
-    if not draws: return {}
-    ds = (None,) if l is None else depths(l)
-    e = across(work, keys(name, 0 if l is None else l, draws), lambda w, ks: direct(w.model, w.x, w.y, w.rec, sites, s, ks, nrep, rerun, ds))
+class Update:
+  """What one update's steps share: the model, a Worker per device (the batch and its clean capture, §3.2: the first step), the
+  recipe, and how direct draws rerun the network."""
+  def __init__(self, model, x:Tensor, y:Tensor, key:int, rc:Recipe, rerun:str, devices:int):
+    self.model, self.rc, self.rerun, self.y = model, rc, rerun, y
+    self.work = [Worker(m, *inputs(m, x, y, root_key(key))) for m in replicas(model, devices)]
+
+  def draws(self, group:str, block:int, n:int) -> Draws: return Draws(self.work[0].key, GROUPS.index(group), block, range(n // self.rc.nrep))
+  def depths(self, l:int) -> tuple[int, ...]:  # where parameter block l is applied: (l,) in the GPT, every loop in the looped model
+    return tuple(i for i in range(self.model.n_blocks) if self.model.pblock(i) == l)
+
+  def group(self, name:str, l:int|None, sites:tuple[str, ...], sigma:float, n:int) -> dict[tuple[str, int|None], Tensor]:
+    """n direct draws of a group's sites: their per-token errors, keyed by (site, depth); l is the parameter block, None outside."""
+    if not n: return {}
+    ds, model, nrep = (None,) if l is None else self.depths(l), self.model, self.rc.nrep
+    e = across(self.work, self.draws(name, 0 if l is None else l, n),
+               lambda w, d: direct(w.model, w.x, w.y, w.rec, sites, sigma, d, nrep, self.rerun, ds))
     return {(site, d): e[recorded(model, site, d)] for site in sites for d in ds}
-  err:dict[tuple[str, int|None], Tensor] = {}
-  for l in range(L):  # writers then hidden, block by block; then the embedding (§3.2 order)
+
+def direct_draws(u:Update) -> dict[tuple[str, int|None], Tensor]:
+  """§3.3: writers then hidden, block by block; then the embedding."""
+  rc, err = u.rc, {}
+  for l in range(u.model.n_pblocks):
     pre = f"transformer.h.{l}"
-    err |= group("writers", l, (f"{pre}.attn.c_proj", f"{pre}.mlp.c_proj"), sigma["writers"], rc.writers[l])
-    err |= group("hidden", l, (f"{pre}.mlp.c_fc",), sigma["hidden"], rc.hidden[l])
-  err |= group("embedding", None, ("transformer.wte",), sigma["embedding"], rc.embedding)
-  targets:dict[int, Tensor] = {}  # o@ per depth, to feed §3.5 only: no weight gradient of their own
-  for l in range(L): targets |= {d: t for (_, d), t in group("hubs", l, (f"o@{l}",), sigma["hubs"][l], rc.hubs[l]).items()}
-  err["lm_head", None] = across(work, table[:rc.head // nrep, 0, GROUPS.index("head")],
-                                lambda w, ks: head_error(w.model, w.rec, w.y, sigma["head"], ks, nrep), unit=slabs(model))
-  def local(kind:str, i:int, draws:int) -> Tensor:
-    return across(work, keys(kind, i, draws), lambda w, ks: local_error(w.attn, kind, w.targets[i], sigma["local"], rc.gamma, ks, nrep))
+    err |= u.group("writers", l, (f"{pre}.attn.c_proj", f"{pre}.mlp.c_proj"), rc.sigma["writers"], rc.writers[l])
+    err |= u.group("hidden", l, (f"{pre}.mlp.c_fc",), rc.sigma["hidden"], rc.hidden[l])
+  return err | u.group("embedding", None, ("transformer.wte",), rc.sigma["embedding"], rc.embedding)
+
+def attention_draws(u:Update) -> dict[tuple[str, int|None], Tensor]:
+  """§3.4-3.5: the attention outputs' errors (hubs, o@ per depth: targets only, no weight of their own), then the attention internals
+  scored against them, depth by depth (each loop of the looped model against its own target), so that one depth's attention is
+  held at a time."""
+  rc, model, err = u.rc, u.model, {}
+  targets = {d: t for l in range(model.n_pblocks) for (_, d), t in u.group("hubs", l, (f"o@{l}",), rc.sigma["hubs"][l], rc.hubs[l]).items()}
   # copied to every device before any local work is queued: a copy out of a device waits for all the work queued on it
-  for w in work: w.targets = {i: t.to(w.x.device).realize() for i, t in targets.items()}
-  for i in targets:  # depth by depth, each loop of the looped model against its own target: one depth's T x T probabilities at a time
-    for w in work: w.attn = CleanAttention.capture(w.model, w.rec, i)
+  for w in u.work: w.targets = {i: t.to(w.x.device).realize() for i, t in targets.items()}
+  for i in targets:
+    for w in u.work: w.attn = CleanAttention.capture(w.model, w.rec, i)
     for kind in local_kinds(model, i):  # the recipe for n_layer=1 allots gate and ve draws, which the looped model can't use
-      l, draws = model.pblock(i), rc.local[kind][model.pblock(i)]
-      if draws: err[error_site(kind, l), i] = local(kind, i, draws)
-    for w in work: release(w.attn.jit)
-  grads:dict[str, Tensor] = {}
-  for (s, d), e in err.items():  # a weight used at several depths (tied across loops) sums its outer products over them
+      if n := rc.local[kind][model.pblock(i)]:
+        err[error_site(kind, model.pblock(i)), i] = across(u.work, u.draws(kind, i, n), lambda w, d, kind=kind, i=i:
+                                                           local_error(w.attn, kind, w.targets[i], rc.sigma["local"], rc.gamma, d, rc.nrep))
+    for w in u.work: release(w.attn.jit)
+  return err
+
+def head_draws(u:Update) -> Tensor:
+  """§3.6: the head's per-token errors, from slabs of the cached logits."""
+  return across(u.work, u.draws("head", 0, u.rc.head), lambda w, d: head_error(w.model, w.rec, w.y, u.rc.sigma["head"], d, u.rc.nrep),
+                unit=slabs(u.model))
+
+def scalar_draws(u:Update) -> dict[str, Tensor]:
+  """§3.7: the residual-mix scalars' gradient, by two-sided weight-space ES: a chunk a draw, on 16 weights."""
+  one_each = Draws(u.work[0].key, GROUPS.index("scalars"), 0, range(u.rc.scalar_draws))
+  return {n: g / u.y.numel() for n, g in across(u.work, one_each, lambda w, d: scalar_es(w.model, w.x, w.y, u.rc.sigma["scalars"], d)).items()}
+
+def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+  """§3.8: each weight's gradient from its sites' per-token errors and cached inputs (a weight used at several depths, tied across
+  loops, sums its outer products over them); and the clean mean loss."""
+  model, rec, grads = u.model, u.work[0].rec, dict(scalars)
+  for (s, d), e in err.items():
     n, g = f"{s}.weight", weight_grad(e, rec[recorded(model, s + ":in", d)], model.params[f"{s}.weight"].shape)
     grads[n] = grads[n] + g if n in grads else g
-  scalars = across(work, table[:rc.scalar_draws, 0, GROUPS.index("scalars")], lambda w, ks: scalar_es(w.model, w.x, w.y, sigma["scalars"], ks))
-  grads |= {n: g / y.numel() for n, g in scalars.items()}
   out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
-  mean = loss.mean()
+  mean = u.work[0].loss.mean()
   Tensor.realize(*out.values(), mean)  # the mean now: the loss is the capture JIT's output, which its next replay overwrites
-  for w in work: release(w.capture)
+  for w in u.work: release(w.capture)
   return out, mean
+
+def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
+  """(the estimate, the clean mean loss of the capture pass): DUST.md §3's steps in order. opts: recipe (a Recipe, else
+  recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full"), devices (split every group's chunks over
+  this many devices). Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local
+  attention draws run at every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations."""
+  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), model.n_pblocks)
+  u = Update(model, x, y, key, rc, opts.get("rerun", "block"), opts.get("devices", 1))  # the clean capture
+  err = direct_draws(u)
+  err |= attention_draws(u)
+  err["lm_head", None] = head_draws(u)
+  return reassemble(u, err, scalar_draws(u))

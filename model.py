@@ -18,7 +18,8 @@ from tinygrad.uop.ops import Ops, UOp, buffers
 from kernels.attention import attention
 from kernels.loss import fits, softcapped_loss
 from kernels.matmul import activate, linear
-from kernels.noise import fold, gaussian
+from kernels.noise import fold, runs
+from kernels.perturb import per_member
 from kernels.norm import norm, qk_norm, rms
 
 # tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
@@ -99,22 +100,23 @@ class Pass:
 
   def linear_out(self, name:str, x:Tensor, act:str|None=None) -> Tensor:
     w, x = self.params[name + ".weight"], x.cast(self.dtype)
-    return linear(x, w, act) if isinstance(w, Tensor) else w.linear(activate(x, act), self.dtype)
+    return linear(x, w, act) if isinstance(w, Tensor) else w.linear(x, self.dtype, act)
 
   def embed(self, name:str, idx:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
     return self.site(name, idx, w.cast(self.dtype)[idx] if isinstance(w, Tensor) else w.embed(idx, self.dtype))
 
-  def scale(self, name:str, i:int, x:Tensor) -> Tensor:  # a residual-mix scalar times the stream
+  def scale(self, name:str, i:int, x:Tensor) -> Tensor:  # a residual-mix scalar times the stream; [M, L] scalars: one set per member
     w = self.params[name]
-    return w[i] * x if isinstance(w, Tensor) else w.scale(i, x)
+    if not isinstance(w, Tensor): return w.scale(i, x)
+    return w[i] * x if w.ndim == 1 else per_member(w[:, i], x)
 
   def site(self, name:str, inp:Tensor|None, out:Tensor) -> Tensor:
     if self.rec is not None: self.rec[name + self.model.tag(self.depth)], self.rec[name + ":in" + self.model.tag(self.depth)] = out, inp
     if name in self.jitter:
-      k, sigma = self.jitter[name]
+      k, sigma = self.jitter[name]  # k [2], or [G, 2]: G chunks of the batch, each with its own key
       # contiguous: the noise fuses into the producer's epilogue, and is never recomputed inside the consumer's matmul loops
-      out = (out + (sigma * gaussian(self.model.site_key(k, self.depth), out.shape)).cast(out.dtype)).contiguous()
+      out = (out + (sigma * runs(self.model.site_key(k, self.depth), out.shape)).cast(out.dtype)).contiguous()
     return out
 
   def linear(self, name:str, x:Tensor, act:str|None=None) -> Tensor:  # act(x) is the layer's input (kernels/matmul.py's ACTS)
@@ -269,16 +271,17 @@ class Looped(GPT):
     finally: self.loops = saved
 
 _jits:dict[tuple, TinyJit] = {}
-def jitted(fn, model:GPT, *shape, **static) -> TinyJit:
-  """One TinyJit per (function, model, input shape, knobs), kept for the process: Python values are frozen into a captured JIT, so
-  they key the cache; the model's id does too, and the JIT's closure keeps the model alive, so an id is never reused.
+def jitted(fn:Callable, owner, *shape, **static) -> TinyJit:
+  """One TinyJit per (function, owner, input shape, knobs), kept for the process, calling fn(owner, *inputs, **knobs); the owner is the
+  model (or optimizer) whose tensors fn reads. Python values are frozen into a captured JIT, so they key the cache; the owner's id
+  does too, and the JIT's closure keeps the owner alive, so an id is never reused.
   It captures at its first call. A TinyJit runs its first call eagerly, as a warm-up for functions that set up state on first use
   (these don't: all they read is an input or already realized); eagerly, there is no memory plan, so the first Dust update at pop
   1024 peaked at 46.5 GiB on the H200 against 8.0 for the next, and every graph was scheduled twice, eagerly and to capture.
   The capture runs `apart`, so that no tensor outside the JIT is left reading the JIT's own buffers."""
-  k = (fn, id(model), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # fn itself: two functions may share a name
+  k = (fn, id(owner), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # fn itself: two functions may share a name
   if k not in _jits:
-    _jits[k] = TinyJit(lambda *a: apart(fn, model, *a, **static))
+    _jits[k] = TinyJit(lambda *a: apart(fn, owner, *a, **static))
     _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
   return _jits[k]
 
@@ -288,7 +291,8 @@ def apart(fn:Callable, *a, **kw):
   batch and weights *is* the graph that a Dust capture realizes. Inside a JIT's capture those buffers are the JIT's own, which its
   next replay writes again and `release` frees, so that tensor would read another batch's values or freed memory (test_lazy). Out of
   sight, it stays lazy and computes its own values when it is realized. A pending assign is done first, outside: captured, it would be
-  done again at every replay. A TinyJit calls its function only to capture it (and at every call under JIT=0), so a replay pays nothing."""
+  done again at every replay. A tensor that the capture assigns to must be realized before it, as its inputs are (the optimizers'
+  state is). A TinyJit calls its function only to capture it (and at every call under JIT=0), so a replay pays nothing."""
   def live() -> list[Tensor]: return [t for ref in list(all_tensors) if (t := ref()) is not None]
   if pending := [t for t in live() if t.uop.base.op is Ops.AFTER]:
     with Context(CAPTURING=0): Tensor.realize(*pending)  # run now, not recorded into the capture

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 from tinygrad import Context, Tensor, dtypes, nn
-from kernels.noise import fold, gaussian, key as root_key
+from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from model import jitted, release
 from devices import names, spread
@@ -35,25 +35,41 @@ class Compact:
 
 # ***** the estimators: (model, x, y, pop, key) -> (estimate, mean clean-ish loss) *****
 
-def spsa_pair(model, x:Tensor, y:Tensor, key:Tensor, j:Tensor, eps:float) -> Tensor:
-  """L(θ + εz), L(θ - εz) for direction j (a uint32 tensor: a new j is a new input, not a new kernel). Each perturbed weight is
-  materialized per layer: Gaussian noise fused into a matmul operand would be recomputed for every output row (TINYGRAD.md §1).
-  θ itself is never touched, so nothing drifts."""
-  k = fold(key, j.reshape(()))
-  def loss(s:float) -> Tensor:
-    params = {n: (p + s * eps * gaussian(fold(k, i), p.shape)).contiguous() for i, (n, p) in enumerate(model.params.items())}
-    return model.losses(x, y, params=params).mean()
-  lp = loss(1.0).realize()  # realized apart, so the memory planner can give the second forward the first one's buffers
-  return Tensor.stack(lp, loss(-1.0)).realize()
+# A population forward holds at most this many tokens: the dust preset's batch (8 x 2048), which an H200 runs at its full rate. So one
+# member a forward there, where more would only add memory, and 8 at the small preset's 8 x 256, where one alone underfills the GPU.
+TOKENS = 16384
+
+def pair_losses(model, x:Tensor, y:Tensor, start:Tensor, key:Tensor, c:int, scale:float, rank:int) -> Tensor:
+  """[c, 2]: the mean loss at θ + scale E_j and at θ - scale E_j for the c antithetic pairs j = start .. start + c - 1, whose directions
+  come from fold(key, j) (start a uint32 tensor: a new chunk is a new input, not a new kernel). The pairs are members on the batch
+  axis, one forward per sign, each realized apart: the memory planner gives the second forward the first one's buffers, so a chunk
+  holds one sign's activations. θ itself is never touched, so nothing drifts."""
+  keys = fold(key, start + Tensor.arange(c, dtype=dtypes.uint32))
+  def loss(sign:int) -> Tensor:
+    params = {n: Population(p, fold(keys, i), sign * scale, rank) for i, (n, p) in enumerate(model.params.items())}
+    return model.losses(x.repeat(c, 1), y.repeat(c, 1), params=params).reshape(c, -1).mean(1)
+  plus = loss(1).realize()
+  return Tensor.stack(plus, loss(-1), dim=1).realize()
+
+def chunk(pairs:int, tokens:int) -> int:
+  """Pairs per forward: the most that divide `pairs` (so every chunk has one shape, one JIT) with at most TOKENS tokens, at least one."""
+  return max(c for c in range(1, pairs + 1) if pairs % c == 0 and (c == 1 or c * tokens <= TOKENS))
+
+def population(model, x:Tensor, y:Tensor, key:Tensor, pairs:int, scale:float, rank:int, devices:int) -> Tensor:
+  """[pairs, 2]: pair_losses for the pairs 0 .. pairs-1, chunk by chunk, spread over devices. Pair j's direction depends on j alone,
+  so the losses, and the estimate, are the same whatever the chunks and devices."""
+  def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:  # the losses of pairs js, on the device itself
+    c = chunk(len(js), x.numel())
+    jit = jitted(pair_losses, m, x.shape, c=c, scale=scale, rank=rank)
+    starts = [Tensor([j], dtype=dtypes.uint32, device=k.device) for j in range(js.start, js.stop, c)]
+    Tensor.realize(*starts)  # uploaded at once: each realize walks all live tensors
+    return Tensor.cat(*[jit(x, y, s, k).clone().realize() for s in starts])  # copied out: the next replay writes the same buffer
+  return spread(model, devices, pairs, run, x, y, key)
 
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
-  """Direction j is keyed by j alone: spread over several devices, the directions, and so the estimate, are those of one device."""
-  keys = fold(key, Tensor.arange(pop)).contiguous().realize()
-  def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:
-    step = jitted(spsa_pair, m, x.shape, eps=eps)
-    return Tensor.stack(*[step(x, y, k, Tensor([j], dtype=dtypes.uint32, device=k.device)).clone().realize() for j in js])
-  l = spread(model, devices, pop, run, x, y, key)  # [K, 2]
-  return Compact(keys, (l[:, 0] - l[:, 1]) / (2 * eps * pop)), l.mean()
+  """SPSA along pop directions z_k: the pairs θ ± εz_k of the population forward, g = sum_k (L+ - L-) / (2ε pop) z_k."""
+  l = population(model, x, y, key, pop, eps, 0, devices)
+  return Compact(fold(key, Tensor.arange(pop)).contiguous().realize(), (l[:, 0] - l[:, 1]) / (2 * eps * pop)), l.mean()
 
 def shape_fitness(f:Tensor, shaping:str) -> Tensor:
   """rank: centered ranks in [-0.5, 0.5] (invariant to the loss's scale, robust to outliers); zscore; none: raw fitness."""
@@ -62,25 +78,15 @@ def shape_fitness(f:Tensor, shaping:str) -> Tensor:
   if shaping == "rank": return (f.unsqueeze(0) < f.unsqueeze(1)).sum(1).float() / (f.shape[0] - 1) - 0.5
   raise ValueError(f"unknown shaping {shaping!r}: use rank, zscore or none")
 
-def es_losses(model, x:Tensor, y:Tensor, keys:Tensor, sigma:float, rank:int) -> Tensor:
-  """Mean loss of every member [pop]: members on the batch axis, both members of a pair on the same sequences."""
-  params = {n: Population(p, fold(keys, i), sigma, rank) for i, (n, p) in enumerate(model.params.items())}
-  pop = 2 * keys.shape[0]
-  return model.losses(x.repeat(pop, 1), y.repeat(pop, 1), params=params).reshape(pop, -1).mean(1).realize()
-
 def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0,
        devices:int=1) -> tuple[Compact, Tensor]:
-  """g = -1/(pop σ) sum_m f̃_m s_m E_m with fitness f = -L: pair j contributes (f̃_2j - f̃_2j+1) E_j. Unshaped, this is the
-  antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss. Over several devices each
-  evaluates its share of the pairs; the fitness is shaped over the whole population, on the model's device."""
+  """g = -1/(pop σ) sum_m f̃_m s_m E_m with fitness f = -L: pair j (members 2j, 2j+1 at θ ± σE_j) contributes (f̃_2j - f̃_2j+1) E_j.
+  Unshaped, this is the antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss. The
+  population is evaluated in chunks (`population`); the fitness is shaped over all of it, on the model's device."""
   if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
-  keys = fold(key, Tensor.arange(pop // 2)).contiguous().realize()
-  def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:  # the losses of pairs js, keyed on the device itself
-    ks = fold(k, Tensor.arange(js.start, js.stop)).contiguous().realize()
-    return jitted(es_losses, m, x.shape, ks.shape, sigma=sigma, rank=rank)(x, y, ks).clone().realize()
-  l = spread(model, devices, pop // 2, run, x, y, key).realize()
-  f = shape_fitness(-l, shaping).reshape(-1, 2)
-  return Compact(keys, -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
+  l = population(model, x, y, key, pop // 2, sigma, rank, devices)
+  f = shape_fitness(-l.reshape(-1), shaping).reshape(-1, 2)
+  return Compact(fold(key, Tensor.arange(pop // 2)).contiguous().realize(), -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
 
 def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
   with Context(CUDA_KERNELS=0): loss = model.losses(x, y, params=params).mean()  # kernels/cuda.py's kernels have no gradient
@@ -124,10 +130,12 @@ def group_lrs(model, method:str, optim:str, lr:float|None, pop:int) -> tuple[dic
   return {n: special(n) for n in model.params}, {"sgd": 0.98 if method == "backprop" else 0.9, "adamw": 0.8}[optim]
 
 class Optimizer:
-  """tinygrad's SGD (m <- μm + g; θ <- θ - lr m) or AdamW, one per distinct lr. For a Compact estimate under SGD there is no
-  momentum buffer: m_t = sum_{a<W} μ^a g_{t-a} is rebuilt from the last W steps' keys and coefficients (W = `replay`), which
-  equals the buffer exactly while W covers every step so far, and to within μ^W after that. The history has a fixed shape
-  [W, N] (unused slots have coefficient 0), so the replay compiles once."""
+  """tinygrad's SGD (m <- μm + g; θ <- θ - lr m) or AdamW, one per distinct lr, the whole update one TinyJit: eagerly, each step
+  built and scheduled its graph again (a MeZO step on the small preset spent 2.6 s of host time so, on the NULL device). A Compact
+  estimate (mezo, es) is made dense inside it, from its keys: N·D noise values a step for N directions and D parameters.
+  With `replay` W > 0 and SGD, a Compact estimate's momentum is no buffer but rebuilt, m_t = sum_{a<W} μ^a g_{t-a}, from the last W
+  steps' keys and coefficients: equal to the buffer while W covers every step so far, within μ^W after that, and W·N·D noise values
+  a step (README: why the buffer is the default). The history has a fixed shape [W, N] (unused slots have coefficient 0)."""
   def __init__(self, params:dict[str, Tensor], lrs:dict[str, float], kind:str, momentum:float, replay:int):
     self.params, self.lrs, self.kind, self.momentum, self.W = params, lrs, kind, momentum, replay
     self.keys:Tensor|None = None  # [W, N, 2] newest first
@@ -137,23 +145,16 @@ class Optimizer:
       if kind == "sgd": return nn.optim.SGD(ps, lr=lr, momentum=momentum)
       return nn.optim.AdamW(ps, lr=lr, b1=momentum, b2=0.95, eps=1e-8, weight_decay=0.0)
     self.opts = [(make([p for n, p in params.items() if lrs[n] == lr], lr), lr) for lr in sorted(set(lrs.values()))]
+    Tensor.realize(*[t for o, _ in self.opts for t in nn.state.get_parameters(o)])  # the state the update's JIT assigns: real before it
 
   def step(self, g:Compact|dict[str, Tensor]):
-    if isinstance(g, Compact) and self.kind == "sgd": return self.replay(g)
-    for o, lr in self.opts: o.lr.assign(Tensor([lr * self.scale], dtype=o.lr.dtype))
-    g = g.dense(self.params) if isinstance(g, Compact) else g
-    for n, p in self.params.items(): p.grad = g[n].cast(p.dtype)
-    with Context(TRAINING=1): Tensor.realize(*[t for o, _ in self.opts for t in o.schedule_step()])
-
-  def replay(self, g:Compact):
-    if self.keys is None: self.keys, self.coef = g.keys.unsqueeze(0).repeat(self.W, 1, 1), g.coef.unsqueeze(0).repeat(self.W, 1) * 0
-    self.keys = g.keys.unsqueeze(0).cat(self.keys[:-1]).contiguous().realize()
-    self.coef = g.coef.unsqueeze(0).cat(self.coef[:-1]).contiguous().realize()
-    decay = (self.momentum ** Tensor.arange(self.W).float()).unsqueeze(1)
-    keys, coef = self.keys.reshape(-1, 2), (self.coef * decay).reshape(-1)
-    scale = Tensor([self.scale]).reshape(())  # a tensor, not a Python float: a new lr is new data, not a new kernel
-    Tensor.realize(*[p.assign(p - self.lrs[n] * scale * combine(fold(keys, i), coef, p.shape, g.rank))
-                     for i, (n, p) in enumerate(self.params.items())])
+    scale = Tensor([self.scale])  # a tensor, not a Python float: a new lr is new data, not a new kernel
+    if not isinstance(g, Compact): return jitted(update, self)(g, scale)
+    if not (self.W and self.kind == "sgd"): return jitted(dense_update, self, g.keys.shape, rank=g.rank)(g.keys, g.coef, scale)
+    if self.keys is None:
+      self.keys = Tensor.zeros(self.W, *g.keys.shape, dtype=dtypes.uint32).contiguous().realize()
+      self.coef = Tensor.zeros(self.W, *g.coef.shape).contiguous().realize()
+    jitted(replay_update, self, g.keys.shape, rank=g.rank)(g.keys, g.coef, scale)
 
   def state(self) -> dict[str, Tensor]:
     st = {f"optim.{j}.{k}": t for j, (o, _) in enumerate(self.opts) for k, t in nn.state.get_state_dict(o).items() if not k.startswith("params.")}
@@ -164,6 +165,24 @@ class Optimizer:
       for k, t in nn.state.get_state_dict(o).items():
         if f"optim.{j}.{k}" in st: t.assign(st[f"optim.{j}.{k}"].to(t.device)).realize()
     if "replay.keys" in st: self.keys, self.coef = (st[f"replay.{k}"].to(None).contiguous().realize() for k in ("keys", "coef"))
+
+def update(opt:Optimizer, grads:dict[str, Tensor], scale:Tensor):
+  """One step of the optimizers on these gradients, each optimizer's lr times the schedule's scale."""
+  for o, lr in opt.opts: o.lr.assign(scale * lr)
+  for n, p in opt.params.items(): p.grad = grads[n].cast(p.dtype)
+  with Context(TRAINING=1): Tensor.realize(*[t for o, _ in opt.opts for t in o.schedule_step()])
+  for p in opt.params.values(): p.grad = None  # the capture's graph, which nothing reads again
+
+def dense_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int): update(opt, Compact(keys, coef, rank).dense(opt.params), scale)
+
+def replay_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int):
+  """Push this step's (keys, coef) into the history, then θ <- θ - lr scale sum_{a<W} μ^a g_{t-a}, every g regenerated from its seeds."""
+  hist = [new.unsqueeze(0).cat(old[:-1]).contiguous().realize() for new, old in ((keys, opt.keys), (coef, opt.coef))]  # then in place
+  Tensor.realize(opt.keys.assign(hist[0]), opt.coef.assign(hist[1]))
+  decay = (opt.momentum ** Tensor.arange(opt.W).float()).unsqueeze(1)
+  ks, cs = opt.keys.reshape(-1, 2), (opt.coef * decay).reshape(-1)
+  lr = {n: opt.lrs[n] * scale.reshape(()) for n in opt.params}
+  Tensor.realize(*[p.assign(p - lr[n] * combine(fold(ks, i), cs, p.shape, rank)) for i, (n, p) in enumerate(opt.params.items())])
 
 # ***** training: checkpoints, evaluation, the loop *****
 
@@ -238,7 +257,7 @@ def train(args):
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
     old = json.load(open(cfg_path))
-    if diff := [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank") if old.get(k) != config[k]]:
+    if diff := [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay") if old.get(k) != config[k]]:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
@@ -255,19 +274,21 @@ def train(args):
   stop = []
   signal.signal(signal.SIGINT, lambda *_: stop.append(True))
   val, t0 = None, time.perf_counter()
-  with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True) as bar:
+  print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
+  with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
       g, loss = run_estimator(model, x, y, args.method, args.pop, step_key(args.seed, step), **method_opts(args))
-      if not math.isfinite(loss := loss.item()):
-        raise UsageError(f"step {step}: the training loss is {loss}; the last good checkpoint is in {args.out}")
-      check_finite(g, step, args.out)
+      loss = checked(model, loss, g, step, args.out)
       opt.scale = min(1.0, (steps - step) / (args.warmdown * steps)) if args.warmdown else 1.0
       opt.step(g)
       dt = time.perf_counter() - ts
       rec = {"step": step, "tokens": (step + 1) * args.batch * args.seq, "train_loss": loss, "seconds": round(time.perf_counter() - t0, 3)}
-      if step % args.eval_every == 0 or step == steps - 1: rec["val_loss"] = val = val_loss(model, data, args)
+      if step % args.eval_every == 0 or step == steps - 1:
+        bar.set_description_str("evaluating")
+        rec["val_loss"] = val = val_loss(model, data, args)
+      bar.set_description_str("")
       log.write(json.dumps(rec) + "\n"); log.flush()
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-", tok_s=f"{args.batch * args.seq / dt:,.0f}",
                       draws_s=f"{args.pop / dt:,.0f}")
@@ -281,11 +302,18 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
   try: return json.loads(line)["step"]
   except (ValueError, KeyError, TypeError): return math.inf
 
-def check_finite(g:Compact|dict[str, Tensor], step:int, out:str):
+def squares(model, loss:Tensor, named:dict[str, Tensor]) -> Tensor:
+  return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum() for t in named.values()])
+
+def checked(model, loss:Tensor, g:Compact|dict[str, Tensor], step:int, out:str) -> float:
+  """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built eagerly at every
+  step, the sums' graph took longer than a small model's whole step)."""
   named = {"coefficients": g.coef} if isinstance(g, Compact) else g
-  sums = Tensor.stack(*[t.float().square().sum() for t in named.values()]).numpy()  # one sync for all parameters
-  if bad := [n for n, s in zip(named, sums) if not math.isfinite(s)]:
+  vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()
+  if not math.isfinite(vals[0]): raise UsageError(f"step {step}: the training loss is {vals[0]}; the last good checkpoint is in {out}")
+  if bad := [n for n, v in zip(named, vals[1:]) if not math.isfinite(v)]:
     raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite; the last good checkpoint is in {out}")
+  return float(vals[0])
 
 # ***** --cosine: how close is each estimate to the backprop gradient, per layer type *****
 
@@ -338,7 +366,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
   p.add_argument("--shaping", default="rank", choices=("rank", "zscore", "none"), help="es: fitness shaping")
-  p.add_argument("--replay", type=int, default=64, help="mezo/es under SGD: steps of seeds kept to replay the momentum")
+  p.add_argument("--replay", type=int, default=0, help="mezo/es under SGD: 0 keeps a momentum buffer; W > 0 keeps no buffer but the "
+                 "last W steps' seeds, and replays the momentum from them")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses")
   p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
@@ -349,8 +378,9 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
-  for flag in ("pop", "batch", "eval_every", "ckpt_every", "replay"):
+  for flag in ("pop", "batch", "eval_every", "ckpt_every"):
     if min(args.pops if flag == "pop" else [getattr(args, flag)]) < 1: p.error(f"--{flag.replace('_', '-')} must be at least 1")
+  if args.replay < 0: p.error("--replay must be 0 (a momentum buffer) or a number of steps")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
   return args
 

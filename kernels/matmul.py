@@ -28,6 +28,7 @@ ACTS = {"relu2": (lambda t: t.relu().square(), "v = __hmax2(v, __float2half2_rn(
 TILES = r"""
 #define N {N}
 #define K {K}
+#define ROWS {ROWS}  // rows of A per weight: B holds one [N][K] weight for every ROWS rows
 #define BK 32
 #define STAGES 3
 // a tile row is BK halves, 4 chunks of 16 bytes; chunk c of row r is stored at c ^ ((r >> 1) & 3), so that the 8 rows that one
@@ -52,7 +53,7 @@ SOURCE = TILES + r"""
 extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B) {{
   __shared__ __align__(128) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
-  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + (size_t)blockIdx.x * 128 * K;
+  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
   float acc[4][4][4] = {{}};
   for (int s = 0; s < STAGES - 1; s++) load(sa + s * 128 * BK, sb + s * 128 * BK, a, b, tid, s * BK);
   for (int kt = 0; kt < K / BK; kt++) {{
@@ -103,7 +104,7 @@ __device__ __forceinline__ void wgmma(float (&d)[64], unsigned long long da, uns
 extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B) {{
   __shared__ __align__(1024) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
-  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + (size_t)blockIdx.x * 128 * K;
+  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
   float acc[64] = {{}};
   for (int s = 0; s < STAGES - 1; s++) load(sa + s * 128 * BK, sb + s * 128 * BK, a, b, tid, s * BK);
   for (int kt = 0; kt < K / BK; kt++) {{
@@ -139,24 +140,30 @@ def wgmma(device:str) -> bool:  # Hopper exactly: code for sm_90a, the target wi
   return sm(device) == 90
 
 def matmul(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
-  """act(x) [M, K] @ w [N, K].T in half, as one kernel."""
-  (M, K), N = x.shape, w.shape[0]
+  """act(x) [M, K] @ w [N, K].T in half, as one kernel; or with w [G, N, K], rows [g M/G, (g+1) M/G) of x times weight g."""
+  (M, K), (N, G) = x.shape, (w.shape[-2], 1 if w.ndim == 2 else w.shape[0])
   hopper = wgmma(x.device)
-  name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_{act}" if act else "")
-  src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None))
-  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + N * K + M * N), "sm_90a" if hopper else None)
+  name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_x{G}" if G > 1 else "") + (f"_{act}" if act else "")
+  src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ROWS=M // G, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None))
+  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3, 2 * M * N * K, 2 * (M * K + G * N * K + M * N),
+                "sm_90a" if hopper else None)
   # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
   return Tensor.empty(M, N, dtype=dtypes.half, device=x.device).custom_kernel(x, w.cast(dtypes.half), fxn=fxn)[0]
 
 def tuned(x:Tensor, w:Tensor) -> bool:
-  """Whether the kernel applies: half inputs, a CUDA GPU it runs on (kernels/cuda.py), and shapes the tile divides."""
-  return available(x.device) and x.dtype == dtypes.half and \
-    all(s % t == 0 for s, t in zip((x.numel() // x.shape[-1], *w.shape), TILE))
+  """Whether the kernel applies: half inputs, a CUDA GPU it runs on (kernels/cuda.py), and shapes the tile divides (each weight's
+  rows, for a batch of weights)."""
+  rows, G = x.numel() // x.shape[-1], 1 if w.ndim == 2 else w.shape[0]
+  return available(x.device) and x.dtype == dtypes.half and rows % G == 0 and \
+    all(s % t == 0 for s, t in zip((rows // G, *w.shape[-2:]), TILE))
 
 def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x
 
 def linear(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
-  """act(x) @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights). Materialized either way, so
-  that no reduction downstream (a norm, the loss) recomputes the matmul inside its own loop."""
-  if not tuned(x, w): return (activate(x, act) @ w.cast(x.dtype).T).contiguous()
-  return matmul(x.reshape(-1, x.shape[-1]), w, act).reshape(*x.shape[:-1], w.shape[0])
+  """act(x) @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights); or w [G, N, K], a weight for each
+  of G equal groups of x's rows (the members of a population, kernels/perturb.py). Materialized either way, so that no reduction
+  downstream (a norm, the loss) recomputes the matmul inside its own loop."""
+  if tuned(x, w): return matmul(x.reshape(-1, x.shape[-1]), w, act).reshape(*x.shape[:-1], w.shape[-2])
+  if w.ndim == 2: return (activate(x, act) @ w.cast(x.dtype).T).contiguous()
+  xg = activate(x, act).reshape(w.shape[0], -1, x.shape[-1])
+  return (xg @ w.cast(x.dtype).transpose(-1, -2)).reshape(*x.shape[:-1], w.shape[-2]).contiguous()

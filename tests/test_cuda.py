@@ -23,6 +23,8 @@ for M, N, K in ((128, 512, 512), (128, 2048, 512), (128, 512, 2048), (128, 4096,
   assert tuned(x, w)
   for act in (None, "relu2"): assert linear(x, w, act).realize().shape == (1, M, N)  # NVRTC compiles the CUDA source
   with Context(CUDA_KERNELS=0): assert not tuned(x, w)
+xg, wg = Tensor.empty(2, 128, 512, dtype=dtypes.half), Tensor.empty(2, 512, 512)  # a weight per member of a population, 128 rows each
+assert tuned(xg, wg) and linear(xg, wg, "relu2").realize().shape == (2, 128, 512) and not tuned(xg, Tensor.empty(3, 512, 512))
 assert not tuned(Tensor.empty(128, 32, dtype=dtypes.half), Tensor.empty(8, 32))  # the value-embedding gate: N = 8 doesn't divide
 assert not tuned(Tensor.empty(64, 512, dtype=dtypes.half), Tensor.empty(512, 512))  # too few tokens for the tile
 assert not tuned(Tensor.empty(128, 128), Tensor.empty(128, 128))                  # float32

@@ -63,26 +63,23 @@ def test_dust_same_key_same_estimate(batch):
 def test_each_device_draws_its_own_keys(batch, monkeypatch, method:str, pop:int):
   # every device must run a forward on its own replica (parameters on that device) over its own block of draws, the blocks
   # disjoint and together all of them: a split that gives each device draws 0..n-1, or runs everything on CPU, fails here
-  seen:dict[str, list] = {}
+  seen:dict[str, list[int]] = {}
   def spy(fn):
-    def wrapped(m, x, y, k, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
-      assert devices.device(m) == x.device == k.device and all(p.device == x.device for p in m.params.values())
-      return fn(m, x, y, k, *a, **kw)
+    def wrapped(m, x, y, start, k, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
+      assert devices.device(m) == x.device == start.device == k.device and all(p.device == x.device for p in m.params.values())
+      return fn(m, x, y, start, k, *a, **kw)
     return wrapped
-  def recorded(fn, m, *shape, **static):  # every call of the JIT, replays too: the draws (j, or the pair keys) each device gets
+  def recorded(fn, m, *shape, **static):  # every call of the JIT, replays too: the pairs (start .. start + c - 1) each device gets
     jit = jitted(fn, m, *shape, **static)
-    def call(x, y, k, *a):
-      seen.setdefault(x.device, []).append(a[0] if a else k)
-      return jit(x, y, k, *a)
+    def call(x, y, start, k):
+      seen.setdefault(x.device, []).extend(range(int(start.item()), int(start.item()) + static["c"]))
+      return jit(x, y, start, k)
     return call
-  fn = "spsa_pair" if method == "mezo" else "es_losses"
-  monkeypatch.setattr(zo, fn, spy(getattr(zo, fn)))
+  monkeypatch.setattr(zo, "pair_losses", spy(zo.pair_losses))
   monkeypatch.setattr(zo, "jitted", recorded)
   model, (x, y) = GPT(CFG, seed=1), batch  # a new model, so new JITs that call the spy
-  g, _ = zo.run_estimator(model, x, y, method, pop, 4, devices=2)
-  if method == "mezo": drawn = {d: [int(j.item()) for j in js] for d, js in seen.items()}  # the direction index j of each call
-  else: drawn = {d: [int(np.flatnonzero((g.keys.numpy() == k).all(1))[0]) for t in ks for k in t.numpy()] for d, ks in seen.items()}
-  assert drawn == {"CPU": [0], "CPU:1": [1, 2]}, drawn
+  zo.run_estimator(model, x, y, method, pop, 4, devices=2)
+  assert seen == {"CPU": [0], "CPU:1": [1, 2]}, seen
 
 def test_training_on_two_devices(tmp_path, monkeypatch):
   # a 3-step run on 2 devices: the replica on CPU:1 must see each update (its copy refreshed every step), so its train losses

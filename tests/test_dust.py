@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, Context, GlobalCounters, dtypes
 from kernels import flash
-from kernels.noise import gaussian, key
+from kernels.noise import gaussian, key, runs
 from model import GPT, GPTConfig, Looped, LoopedConfig, release
 import dust
 
@@ -172,7 +172,7 @@ def test_head_slabs():
   p = np.exp(c - c.max(-1, keepdims=True))
   true = (p / p.sum(-1, keepdims=True) - np.eye(V)[y]) * (1 - np.tanh(z / cap) ** 2)
   model = type("Capped", (), {"cfg": GPTConfig(vocab=V, softcap=cap)})
-  keys = dust.chunk_keys(3, 1, 256)[:, 0, 0]
+  keys = dust.Draws(key(3), 0, 0, range(256))
   est = dust.head_error(model, {"lm_head": Tensor(z.astype(np.float32))}, Tensor(y.astype(np.int32)), 0.05, keys, nrep).numpy()
   for j in range(V // 256):
     assert cosine(est[..., 256 * j:256 * (j + 1)].ravel(), true[..., 256 * j:256 * (j + 1)].ravel()) > 0.6, f"slab {j}"
@@ -222,7 +222,7 @@ def test_fused_attention_draws():
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, cfg.vocab, (2, cfg.seq_len)).astype(np.int32)).realize() for _ in range(2)]
   _, rec = model.capture(x, y)
-  target, keys = Tensor(rng.normal(size=(2, cfg.seq_len, cfg.n_embd)).astype(np.float32) * 1e-3).realize(), dust.chunk_keys(0, 2, 1)[:, 0, 0]
+  target, keys = Tensor(rng.normal(size=(2, cfg.seq_len, cfg.n_embd)).astype(np.float32) * 1e-3).realize(), dust.Draws(key(0), 0, 0, range(1))
   for i in range(cfg.n_layer):  # block 1 has value embeddings: all five kinds
     out = {}
     for fused, m in ((True, model), (False, tensor_ops)):
@@ -244,7 +244,7 @@ def test_local_draws_hold_one_score_matrix():
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, model.cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
   att = dust.CleanAttention.capture(model, model.capture(x, y)[1], 1)
-  target, keys = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), dust.chunk_keys(1, 1, 3)[:, 0, 5]
+  target, keys = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), dust.Draws(key(1), 5, 0, range(3))
   dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()  # compiles and captures the chunk's JIT
   base = PEAK[0] = GlobalCounters.mem_used
   dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()
@@ -259,7 +259,7 @@ class Linear:
   def rerun_inputs(self, rec:dict, sites) -> tuple[dict, dict]: return {}, self.params  # nothing upstream of the one site to resume from
   def losses(self, x:Tensor, target:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None) -> Tensor:
     out = x @ (params or self.params)["w.weight"].T
-    if jitter and "w" in jitter: out = out + jitter["w"][1] * gaussian(jitter["w"][0], out.shape)
+    if jitter and "w" in jitter: out = out + jitter["w"][1] * runs(jitter["w"][0], out.shape)  # as model.Pass.site
     return (out - target).square().sum(-1) / 2
 
 def test_node_perturbation_beats_weight_space_es():
@@ -269,7 +269,7 @@ def test_node_perturbation_beats_weight_space_es():
   true = np.einsum("bto,bti->oi", x @ W.T - target, x) / (B * T)
   model, xt, tt = Linear(Tensor(W.astype(np.float32))), Tensor(x.astype(np.float32)), Tensor(target.astype(np.float32))
   rec = {"w": xt @ model.params["w.weight"].T, "w:in": xt}
-  keys = dust.chunk_keys(7, 1, draws // nrep)[:, 0, 0]
+  keys = dust.Draws(key(7), 0, 0, range(draws // nrep))
   err = dust.direct(model, xt, tt, rec, ("w",), sigma, keys, nrep)["w"]
   G = dust.weight_grad(err, xt, W.shape).numpy()
   node = cosine(G.ravel(), true.ravel())

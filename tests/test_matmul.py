@@ -37,3 +37,24 @@ def test_kernel(act):
   # the CUDA kernel itself (runs on the GPU machine): a wrong fragment layout, swizzle or pipeline stage gives wrong sums
   for M, N, K in ((128, 128, 32), (256, 384, 96), (1024, 512, 2048)):  # one step of K, odd tile counts, many steps
     check(M, N, K, dtypes.half, act, 2**-10)
+
+def test_weight_per_group_here():
+  # w [G, N, K]: row group g of x times weight g (a population's members, kernels/perturb.py); a group reading another's weight fails
+  rng = np.random.default_rng(1)
+  G, R, N, K = 3, 8, 16, 40
+  x, w = rng.normal(size=(G * R, K)).astype(np.float32), rng.normal(size=(G, N, K)).astype(np.float32) / np.sqrt(K)
+  out = linear(Tensor(x), Tensor(w)).numpy()
+  ref = np.concatenate([x[g * R:(g + 1) * R].astype(np.float64) @ w[g].astype(np.float64).T for g in range(G)])
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+@pytest.mark.skipif(not tuned(Tensor.empty(128, 128, dtype=dtypes.half), Tensor.empty(128, 128)), reason=f"{Device.DEFAULT} has no CUDA sm_80+")
+@pytest.mark.parametrize("act", [None, "relu2"])
+def test_kernel_weight_per_group(act):
+  # the kernel with a weight per group of 256 rows: a block that took group 0's weight, or its neighbour's, gives wrong sums
+  rng = np.random.default_rng(2)
+  G, R, N, K = 3, 256, 384, 96
+  x, w = rng.normal(size=(G * R, K)).astype(np.float32), rng.normal(size=(G, N, K)).astype(np.float32) / np.sqrt(K)
+  assert tuned(Tensor.empty(G * R, K, dtype=dtypes.half), Tensor.empty(G, N, K))
+  out = linear(Tensor(x).cast(dtypes.half), Tensor(w), act).numpy()
+  ref = np.concatenate([reference(x[g * R:(g + 1) * R], w[g], np.float16, act) for g in range(G)])
+  np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2**-10, atol=1e-3)

@@ -31,7 +31,7 @@ def poisoned(*args, **kwargs):
   g, loss = run(*args, **kwargs)
   calls.append(1)
   if len(calls) == at + 1:
-    if mode == "loss": loss = Tensor(float("nan"))
+    if mode == "loss": loss = (loss * float("nan")).realize()
     else: g.coef = g.coef * float("nan")
   return g, loss
 zo.run_estimator = poisoned

@@ -44,7 +44,7 @@ def background(request, tmp_path_factory):
   out = tmp_path_factory.mktemp("runs")
   with ThreadPoolExecutor(2) as pool:
     jobs = {}
-    if wanted & {"test_resume_continues_exactly", "test_resume_refusals"}:
+    if wanted & {"test_resume_continues_exactly", "test_resume_refusals", "test_plot"}:
       jobs["full"] = pool.submit(cli, **RUN, steps=10, out=out / "full")
       jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
     if "test_cli_cosine_table" in wanted:
@@ -159,6 +159,35 @@ def test_backprop_jit_follows_the_weights(setup):
   finally:
     for n, p in model.params.items(): p.assign(Tensor(saved[n])).realize()
 
+# the estimates for key 1 on the fixture, recorded at 6c50254 (one forward for all of es's members; mezo's directions one JIT call
+# each): per parameter, the projection on a fixed Gaussian vector and the norm. Evaluated in chunks now, they must stay where they were.
+PINS = {("mezo", 4, 0): ([-5.77539, -0.465441, 0.0851723, -2.71026, 2.03006, 0.718031, -1.97253, -2.74042, -11.1061, -2.0719, 0.0798215,
+                          0.0313762], [6.77691, 3.28849, 3.51055, 3.42853, 1.16245, 3.39301, 6.69578, 6.73162, 6.80792, 6.82285, 0.114711,
+                          0.220374]),
+        ("es", 8, 0): ([-356.884, 6.38298, -71.9861, -182.844, 169.793, 66.2752, -218.961, -117.561, -649.777, -218.622, 7.37799, 2.00055],
+                       [531.225, 258.292, 274.08, 267.636, 87.8113, 259.669, 523.35, 531.424, 534.494, 534.184, 10.6028, 14.051]),
+        ("es", 8, 2): ([-0.754585, 530.409, 51.8083, 343.443, 61.3231, -54.3349, 509.396, 596.354, -437.432, -404.248, 5.59192, -4.13991],
+                       [461.271, 328.172, 267.035, 268.46, 110.415, 186.237, 482.189, 490.555, 541.221, 569.383, 8.0361, 29.077])}
+
+@pytest.mark.parametrize("method, pop, rank", list(PINS))
+def test_estimate_pinned(setup, method:str, pop:int, rank:int):
+  model, x, y, _ = setup
+  g, rng = zo.estimate(model, x, y, method, pop, 1, **({"rank": rank} if method == "es" else {})), np.random.default_rng(1)
+  proj, norm = [float((v.numpy() * rng.standard_normal(v.shape)).sum()) for v in g.values()], [float(np.linalg.norm(v.numpy())) for v in g.values()]
+  pin_proj, pin_norm = PINS[method, pop, rank]
+  np.testing.assert_allclose(norm, pin_norm, rtol=1e-4)
+  assert np.all(np.abs(np.array(proj) - pin_proj) <= 1e-4 * np.array(pin_norm)), (proj, pin_proj)
+
+@pytest.mark.parametrize("method, opts", [("mezo", {}), ("es", {}), ("es", {"rank": 2})])
+def test_chunks_leave_the_estimate(setup, method:str, opts:dict, monkeypatch):
+  # a chunk that drew another pair's direction, lost a pair, or mixed up the signs of a pair across its two forwards changes the estimate
+  model, x, y, _ = setup
+  one = {n: t.numpy() for n, t in zo.estimate(model, x, y, method, 8, 3, **opts).items()}  # B x T = 32 tokens: all pairs in one forward
+  monkeypatch.setattr(zo, "TOKENS", x.numel())  # one pair a forward, as on the dust preset
+  assert zo.chunk(8, x.numel()) == 1
+  chunked = zo.estimate(model, x, y, method, 8, 3, **opts)
+  for n in one: np.testing.assert_array_equal(chunked[n].numpy(), one[n], err_msg=n)
+
 # ***** 3. EGGROLL *****
 
 def explicit_directions(keys:Tensor, shape:tuple[int, ...], rank:int) -> np.ndarray:
@@ -177,8 +206,10 @@ def test_eggroll_equals_explicit_matrices(setup):
   sign = [1, -1] * (pop // 2)  # member m = 2j + (0 or 1) is W + sign_m sigma E_j
   explicit = np.array([model.losses(x, y, params={n: Tensor((W[n] + sign[m] * sigma * E[n][m // 2]).astype(np.float32)) for n in W})
                        .mean().item() for m in range(pop)])
-  params = {n: Population(p, fold(g.keys, i), sigma, rank) for i, (n, p) in enumerate(model.params.items())}
-  batched = model.losses(x.repeat(pop, 1), y.repeat(pop, 1), params=params).reshape(pop, -1).mean(1).numpy()
+  def batched(sign:int) -> np.ndarray:  # the pairs' members of one sign, one forward
+    params = {n: Population(p, fold(g.keys, i), sign * sigma, rank) for i, (n, p) in enumerate(model.params.items())}
+    return model.losses(x.repeat(pop // 2, 1), y.repeat(pop // 2, 1), params=params).reshape(pop // 2, -1).mean(1).numpy()
+  batched = np.stack([batched(1), batched(-1)], 1).reshape(-1)
   # a float32 loss of ~4.2 from logits summed in another order: errors ~1e-6; 2e-5 is 40 ulps, 500x below the members' spread
   clean = model.losses(x, y).mean().item()
   assert np.abs(explicit - clean).min() > 1e-2, (explicit, clean)
@@ -195,7 +226,8 @@ def test_eggroll_equals_explicit_matrices(setup):
 # ***** 4. replayed momentum *****
 
 def test_replayed_momentum_equals_buffer():
-  # a replay with a wrong decay power, an off-by-one history shift, or lost slots differs from the buffer m <- mu m + g
+  # a replay with a wrong decay power, an off-by-one history shift, or lost slots differs from the buffer m <- mu m + g; so does the
+  # optimizer's own buffer (replay 0, the default) if it applied the estimate wrongly
   rng = np.random.default_rng(0)
   mu, lr, N, steps = 0.9, 1e-2, 4, 20
   shapes = {"w": (48, 32), "s": (8,)}
@@ -221,10 +253,11 @@ def test_replayed_momentum_equals_buffer():
   def gap(a:list, b:list, t:int) -> float:  # relative difference of step t's update
     da, db = (flat(x[t], shapes) - flat(x[t - 1], shapes) for x in (a, b))
     return float(np.linalg.norm(da - db) / np.linalg.norm(db))
-  full, ref = replay(steps), buffer(steps)
+  full, stored, ref = replay(steps), replay(0), buffer(steps)
   scale = np.abs(flat(ref[-1], shapes) - flat(init, shapes)).max()
   for t in range(steps):  # float32 parameters of size ~1 after 20 updates: 1e-5 of the largest displacement is ~100 ulps
     np.testing.assert_allclose(flat(full[t], shapes), flat(ref[t], shapes), rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(flat(stored[t], shapes), flat(ref[t], shapes), rtol=0, atol=1e-5 * scale)
   short = replay(5)
   assert gap(short, buffer(5), steps - 1) < 1e-5  # a window of 5 keeps exactly the last 5 steps
   # and so misses the tail sum_{a>=5} mu^a g_{t-a}: for nearly orthogonal steps of equal norm its relative size is
@@ -292,6 +325,25 @@ def test_resume_refusals(background):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("zo: error:") and says in r.stderr, \
       (over, r.stderr[-2000:])
   assert all((out / d / "metrics.jsonl").read_text() == before[d] for d in before), "a refused run touched the log"
+
+def png_size(path:Path) -> tuple[int, int]:
+  """(width, height) from a PNG's signature and IHDR chunk; an error if the file is no PNG."""
+  head = path.read_bytes()[:24]
+  assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+  return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+def test_plot(background, tmp_path:Path):
+  # plot.py draws the val loss of two real (tiny) runs, and a bench's Dust rows beside the reference, as PNG images
+  out, jobs = background
+  assert jobs["full"].result().returncode == 0 and jobs["split"].result()[1].returncode == 0
+  bench = tmp_path / "bench.json"
+  bench.write_text(json.dumps([{"preset": "dust", "method": "dust", "pop": p, "devices": 1, "s": s} for p, s in ((256, 2.0), (1024, 5.0))]))
+  for args, png in (([out / "full", out / "split"], tmp_path / "loss.png"), (["--bench", bench, "--reference", ROOT / "docs/reference.json"],
+                                                                          tmp_path / "dust.png")):
+    r = subprocess.run([sys.executable, "plot.py", *map(str, args), "--out", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    w, h = png_size(png)
+    assert w > 100 and h > 100, (png, w, h)
 
 # ***** 7. the command line *****
 
