@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
-"""The benchmark: speed and memory measured side by side in one run, printed as one table.
+"""The benchmark: speed and memory measured side by side in one run, printed as one table per preset.
 
-  DEV=CUDA python tests/bench.py            the dust preset, 8x2048 tokens (the GPU numbers of GPU.md)
-  DEV=CPU  python tests/bench.py --quick    the tiny model, both tables (tests/test_bench.py runs this, so the harness never
-                                            rots); minutes on 2 CPU cores, nearly all of it compiling kernels
+  DEV=CUDA python tests/bench.py                     the small and dust presets (8x256 and 8x2048 tokens): the forwards, then a step
+                                                     of every method and population (the table of docs/performance.md)
+  DEV=CUDA python tests/bench.py --presets small --rows mezo:16 es:256:1 dust:1024     some rows of one preset
+  DEV=CUDA python tests/bench.py --cold              each row's first step twice: with an empty compile cache, and with that cache
+  DEV=CUDA python tests/bench.py --default           the default command's wall time, and backprop's time to the same val loss
+  DEV=CPU  python tests/bench.py --quick             the tiny model, a CPU-sized table (tests/test_bench.py runs this, so the harness
+                                                     never rots); minutes on 2 CPU cores, nearly all of it compiling kernels
   DEV=CUDA python tests/bench.py --loops 4 16 64 256   only the looped model's table: every estimator at each loop count
-  DEV=CUDA python tests/bench.py --pops 1024 --devices 1 2    a Dust update on one GPU and spread over two
+  DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
 
-Peak memory is the peak of tinygrad's allocated bytes (GlobalCounters.mem_used) during the measured call, minus what was
-allocated before it (the parameters, the batch): what the step itself needs.
+A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no
+row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, after one that compiles
+and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (mezo: 2 per direction; es: 1 per
+member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards; backprop: 3, a
+forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes during the
+row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward is a
+TinyJit like every step, measured the same way.
 """
 import argparse, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
-from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
+from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import key
 from model import GPT, GPTConfig, Looped, LoopedConfig
@@ -28,49 +37,43 @@ def _tracked(self, *a, **kw):
   return r
 Buffer.allocate = _tracked
 
-def measure(fn, n:int=3, warm:int=2, eager_memory:bool=True) -> tuple[float, float]:
-  """(seconds per call after warm-up calls, peak extra bytes of one call). A replayed TinyJit allocates nothing (its buffers were
-  planned at capture and stay), so the memory is read from an eager call (JIT=0); or, with eager_memory=False, from the timed
-  calls themselves, for Dust, whose JITs free their scratch after each group and allocate it again at every replay."""
-  for _ in range(warm): fn()
-  Device[Device.DEFAULT].synchronize()
-  base = PEAK[0] = GlobalCounters.mem_used
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = {"small": 8, "dust": 8, "tiny": 8}  # the batch: 8 sequences of the preset's context
+ROWS = ["mezo:1", "mezo:16", "mezo:64", "es:64", "es:256:1", "es:256:4", "es:1024:1", "es:1024:4", "dust:256", "dust:1024", "backprop:1"]
+QUICK = ["mezo:1", "es:8", "es:8:1", "dust:64", "backprop:1"]
+
+def sync(): Device[Device.DEFAULT].synchronize()
+
+def timed(fn, n:int) -> float:
+  sync()
   st = time.perf_counter()
   for _ in range(n): fn()
-  Device[Device.DEFAULT].synchronize()
-  t = (time.perf_counter() - st) / n
-  if eager_memory:
-    base = PEAK[0] = GlobalCounters.mem_used
-    with Context(JIT=0): fn()
-  return t, PEAK[0] - base
+  sync()
+  return (time.perf_counter() - st) / n
+
+def setup(preset:str, quick:bool) -> tuple[GPT, Tensor, Tensor]:
+  cfg = GPTConfig.preset("tiny", seq_len=32, vocab=64) if quick else GPTConfig.preset(preset)
+  model, rng = GPT(cfg, dtype=zo.compute_dtype()), np.random.default_rng(0)
+  B = 2 if quick else PRESETS[preset]
+  x, y = (Tensor(rng.integers(0, cfg.vocab, (B, cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
+  return model, x, y
 
 def direct_sites(model) -> list[str]:  # every site that Dust's direct draws jitter: writers, hidden, hubs, the embedding
   L = model.cfg.n_layer
   return ["transformer.wte"] + [f"transformer.h.{l}.{s}" for l in range(L) for s in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + \
          [f"o@{l}" for l in range(L)]
 
-def forward_bench(model, x:Tensor, y:Tensor) -> dict[str, float]:
+def forward_row(model, x:Tensor, y:Tensor, n:int) -> dict:
+  """The clean forward and the forward jittered at every Dust direct site, as TinyJits; the peak is the clean one's."""
   clean = TinyJit(lambda x, y: model.losses(x, y).realize())
-  k = key(1)
   jittered = TinyJit(lambda x, y, k: model.losses(x, y, {s: (k, 0.2) for s in direct_sites(model)}).realize())
-  tc, mc = measure(lambda: clean(x, y))
-  tj, _ = measure(lambda: jittered(x, y, k))
-  return {"clean fwd tok/s": x.numel() / tc, "jittered fwd tok/s": x.numel() / tj, "ratio": tc / tj, "clean fwd MiB": mc / 2**20}
-
-def torch_reference(model, x:Tensor, y:Tensor):
-  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column. It runs
-  in a process of its own: in this one tinygrad's CUDA context is the current one, and torch's kernels fail to launch ("CUDA driver
-  error: invalid resource handle")."""
-  if importlib.util.find_spec("torch") is None: return print("torch.compile fwd: torch is not importable here", flush=True)
-  with tempfile.TemporaryDirectory() as d:
-    arrays = {n: p.numpy() for n, p in model.params.items()} | {"cos": model.cos.numpy(), "sin": model.sin.numpy()}
-    np.savez(f"{d}/in.npz", x=x.numpy(), y=y.numpy(), **arrays)
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_ref.py"), f"{d}/in.npz", json.dumps(asdict(model.cfg))],
-                       capture_output=True, text=True)
-  if r.returncode: return print(f"torch.compile fwd: failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
-  tok_s, loss = map(float, r.stdout.split()[-2:])
-  ours = model.losses(x, y).mean().item()
-  print(f"torch.compile fwd tok/s {tok_s:,.3f} | its mean loss {loss:.4f}, tinygrad's {ours:.4f} (the same model)", flush=True)
+  k = key(1)
+  PEAK[0] = GlobalCounters.mem_used
+  for _ in range(2): clean(x, y)
+  peak = PEAK[0]
+  for _ in range(2): jittered(x, y, k)
+  tc, tj = timed(lambda: clean(x, y), 10 * n), timed(lambda: jittered(x, y, k), 10 * n)
+  return {"clean_s": tc, "jittered_s": tj, "peak": peak}
 
 class ByKind:
   """Seconds of each kind of Dust chunk group in a step: dust.accumulate timed between device syncs (one device only). The step is
@@ -78,10 +81,10 @@ class ByKind:
   is the capture, the reassembly and the update."""
   def __init__(self): self.times, self.step = {}, 0.0  # seconds per kind; of the whole step
   def __call__(self, chunk, *args, **static):
-    Device[Device.DEFAULT].synchronize()
+    sync()
     st = time.perf_counter()
     out = self.accumulate(chunk, *args, **static)
-    Device[Device.DEFAULT].synchronize()
+    sync()
     kind = chunk.__name__.removesuffix("_chunk") + (f":{static['kind']}" if "kind" in static else "")
     self.times[kind] = self.times.get(kind, 0.0) + time.perf_counter() - st
     return out
@@ -90,20 +93,117 @@ class ByKind:
     return self
   def __exit__(self, *exc): dust.accumulate = self.accumulate
 
-def step_bench(model, x:Tensor, y:Tensor, method:str, pop:int, devices:int=1, by_kind:ByKind|None=None) -> tuple[float, float]:
-  """One estimate + its SGD update, as the training loop runs it (the population spread over `devices`, for mezo/es/dust)."""
+def forwards(model, method:str, pop:int) -> float:
+  """The forwards a step's arithmetic needs (the module's docstring)."""
+  if method == "dust": return dust.forwards(dust.recipe(pop, "1M", "sgd", model.n_pblocks))
+  return {"mezo": 2 * pop, "es": pop, "backprop": 3}[method]
+
+def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, devices:int=1) -> dict:
+  """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust)."""
   lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
-  opt = zo.Optimizer(model.params, lrs, "sgd", mom, 8)
-  step = [0]
+  opt, step = zo.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
+  opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
   def run():
     step[0] += 1
-    g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **({"devices": devices} if devices > 1 else {}))
+    g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **opts)
+    zo.checked(model, loss, g, step[0], "")
     opt.step(g)
-    loss.realize()
-  t, m = measure(run, eager_memory=method != "dust")
-  if by_kind:  # one more step for the split: it syncs the device around every group of chunks, so it isn't the timed one
-    with by_kind: by_kind.step, _ = measure(run, n=1, warm=0, eager_memory=False)
-  return t, m
+  PEAK[0] = GlobalCounters.mem_used
+  first = timed(run, 1)
+  run()  # the second step captures the TinyJits (the first ran them eagerly, compiling their kernels): neither is a replay
+  row = {"first_s": first, "s": timed(run, n), "peak": PEAK[0], "needs": forwards(model, method, pop)}
+  if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks
+    with ByKind() as by_kind: row["split_s"] = timed(run, 1)
+    row["split"] = by_kind.times
+  return row
+
+def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
+  model, x, y = setup(preset, quick)
+  name, *rest = spec.split(":")
+  n = 1 if quick else 3
+  if name == "forward": return forward_row(model, x, y, n)
+  return step_row(model, x, y, name, int(rest[0]), int(rest[1]) if len(rest) > 1 else 0, n, devices)
+
+def run_row(preset:str, row:str, quick:bool, devices:int=1, cache:str|None=None, kernels:bool=True) -> dict:
+  """One row in a process of its own; with --quick, in this one, so that the rows share their compiled kernels (on 2 CPU cores a
+  process of its own spent 30-200 s compiling each row)."""
+  if quick: return one_row("tiny", row, True, devices)
+  env = os.environ | ({"CACHEDB": cache} if cache else {}) | ({} if kernels else {"CUDA_KERNELS": "0"})
+  cmd = [sys.executable, __file__, "--row", row, "--presets", preset, "--devices", str(devices)] + (["--quick"] if quick else [])
+  r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  if r.returncode: raise RuntimeError(f"{preset} {row}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+  return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("ROW "))[4:])
+
+def first_steps(preset:str, row:str, quick:bool) -> tuple[dict, float]:
+  """The row with an empty compile cache (its first step cold), and the first step of the row run again on that cache (warm)."""
+  with tempfile.TemporaryDirectory() as d:
+    cold = run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))
+    return cold, run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))["first_s"]
+
+def torch_reference(model, x:Tensor, y:Tensor) -> str:
+  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column. It runs
+  in a process of its own: in this one tinygrad's CUDA context is the current one, and torch's kernels fail to launch ("CUDA driver
+  error: invalid resource handle")."""
+  if importlib.util.find_spec("torch") is None: return "torch.compile fwd: torch is not importable here"
+  with tempfile.TemporaryDirectory() as d:
+    arrays = {n: p.numpy() for n, p in model.params.items()} | {"cos": model.cos.numpy(), "sin": model.sin.numpy()}
+    np.savez(f"{d}/in.npz", x=x.numpy(), y=y.numpy(), **arrays)
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_ref.py"), f"{d}/in.npz", json.dumps(asdict(model.cfg))],
+                       capture_output=True, text=True)
+  if r.returncode: return f"torch.compile fwd: failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
+  tok_s, loss = map(float, r.stdout.split()[-2:])
+  return f"torch.compile fwd {x.numel() / tok_s * 1e3:.3f} ms | its mean loss {loss:.4f}, tinygrad's {model.losses(x, y).mean().item():.4f}"
+
+def table(preset:str, rows:list[str], args) -> list[dict]:
+  model, x, y = setup(preset, args.quick)
+  print(f"device {Device.DEFAULT}, preset {'tiny' if args.quick else preset}, {model.num_params():,} params, {model.dtype}, "
+        f"batch {x.shape[0]}x{x.shape[1]}", flush=True)
+  f = run_row(preset, "forward", args.quick)
+  clean = f["clean_s"]
+  print(f"clean forward {clean * 1e3:.3f} ms ({x.numel() / clean:,.0f} tok/s), peak {f['peak'] / 2**20:.1f} MiB | jittered "
+        f"{f['jittered_s'] * 1e3:.3f} ms, ratio {clean / f['jittered_s']:.3f}", flush=True)
+  if not args.quick:  # on tinygrad's own kernels (kernels/cuda.py's off), and in PyTorch
+    ours = run_row(preset, "forward", args.quick, kernels=False)
+    print(f"tinygrad's own kernels: clean {ours['clean_s'] * 1e3:.3f} ms, ratio {ours['clean_s'] / ours['jittered_s']:.3f} | "
+          + torch_reference(model, x, y), flush=True)
+  print(f"{'method':>8} {'pop':>5} {'rank':>4} {'s/step':>9} {'fwd-equiv':>10} {'needs':>7} {'overhead':>8} {'peak MiB':>9} "
+        f"{'x clean':>7} {'first s':>8}" + (f" {'warm s':>7}" if args.cold else ""), flush=True)
+  out = []
+  for spec in rows:
+    for devices in (args.devices if spec.startswith("dust") else [1]):
+      name, pop, *r = spec.split(":")
+      if args.cold: row, warm = first_steps(preset, spec, args.quick)
+      else: row, warm = run_row(preset, spec, args.quick, devices), None
+      fe = row["s"] / clean
+      label = name + (f" x{devices}" if devices > 1 else "")
+      print(f"{label:>8} {pop:>5} {(r[0] if r else '-'):>4} {row['s']:9.4f} {fe:10.1f} {row['needs']:7.0f} {fe / row['needs']:8.2f} "
+            f"{row['peak'] / 2**20:9.1f} {row['peak'] / f['peak']:7.2f} {row['first_s']:8.1f}" + (f" {warm:7.1f}" if warm is not None else ""),
+            flush=True)
+      if "split" in row:
+        print(f"  by chunk kind, in a step of {row['split_s']:.3f} s with the syncs: " +
+              ", ".join(f"{k} {v:.3f} s" for k, v in row["split"].items()), flush=True)
+      out.append({"preset": preset, "method": name, "pop": int(pop), "rank": int(r[0]) if r else 0, "devices": devices, **row,
+                  "clean_s": clean, "clean_peak": f["peak"]})
+  return out
+
+def default_run(args) -> dict:
+  """The default command, `python zo.py --method dust --pop 1024`, end to end (a process of its own; its wall time, its final val loss
+  and the floor it printed), and backprop on the same defaults run until its val loss is at most Dust's final one."""
+  with tempfile.TemporaryDirectory() as d:
+    def run(*flags) -> tuple[float, list[dict], str]:
+      st = time.perf_counter()
+      r = subprocess.run([sys.executable, os.path.join(ROOT, "zo.py"), *flags, "--out", d, "--force"], capture_output=True, text=True, cwd=ROOT)
+      if r.returncode: raise RuntimeError(f"zo.py {' '.join(flags)}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+      return time.perf_counter() - st, [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))], r.stdout
+    wall, dm, said = run("--method", "dust", "--pop", "1024")
+    final = [m["val_loss"] for m in dm if "val_loss" in m][-1]
+    bwall, bm, _ = run("--method", "backprop", "--eval-every", "1")
+    reached = next((m for m in bm if m.get("val_loss", 9e9) <= final), None)
+  floor = said.split("loss floor of this data is ")[-1].split()[0] if "loss floor" in said else "?"
+  print(f"default command: {wall:.1f} s, {len(dm)} steps, final val {final:.4f} (floor {floor}) | backprop on the defaults: "
+        + (f"val {reached['val_loss']:.4f} at step {reached['step']}, {reached['seconds']:.1f} s into its loop" if reached else
+           f"never reached it in {len(bm)} steps ({bwall:.1f} s)"), flush=True)
+  return {"default_s": wall, "final_val": final, "floor": floor, "backprop_to_same_s": reached["seconds"] if reached else None}
 
 def looped_table(depths:list[int], quick:bool, dust_pop:int):
   """One row per loop count, each estimator's step time and peak memory above the parameters and the batch, side by side: MeZO's
@@ -117,40 +217,27 @@ def looped_table(depths:list[int], quick:bool, dust_pop:int):
   for loops in depths:
     model = Looped(LoopedConfig.preset(preset, loops=loops), dtype=zo.compute_dtype())
     x, y = (Tensor(rng.integers(0, model.cfg.vocab, (B, model.cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
-    cells = [step_bench(model, x, y, m, p) for m, p in pops.items()]
-    print(f"{loops:>6}" + "".join(f"{t:>10.3f} s {m / 2**20:>8.1f} MiB" for t, m in cells), flush=True)
+    resident = GlobalCounters.mem_used
+    cells = [step_row(model, x, y, m, p, 0, 1) for m, p in pops.items()]
+    print(f"{loops:>6}" + "".join(f"{c['s']:>10.3f} s {(c['peak'] - resident) / 2**20:>8.1f} MiB" for c in cells), flush=True)
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true", help="the tiny model, CPU-sized")
-  p.add_argument("--pops", type=int, nargs="+", default=None, help="dust populations to time")
+  p.add_argument("--presets", nargs="+", default=["small", "dust"], choices=list(PRESETS))
+  p.add_argument("--rows", nargs="+", default=None, help="method:pop[:rank] rows (default: every row)")
+  p.add_argument("--cold", action="store_true", help="each row's first step with an empty compile cache, then warm")
+  p.add_argument("--default", action="store_true", help="only the default command's wall time against backprop's")
   p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
-  p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust population on each of these device counts")
+  p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust row on each of these device counts")
+  p.add_argument("--json", default=None, help="also write the rows to this file (tests/plot.py draws from it)")
+  p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()
-  pops = args.pops or ([64] if args.quick else [256, 1024])
-  if args.loops: return looped_table(args.loops, args.quick, pops[0])
-  cfg = GPTConfig.preset("tiny", seq_len=32, vocab=64) if args.quick else GPTConfig.preset("dust")
-  B, T = (2, 32) if args.quick else (8, 2048)
-  model = GPT(cfg, dtype=zo.compute_dtype())
-  rng = np.random.default_rng(0)
-  x, y = (Tensor(rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2))
-  print(f"device {Device.DEFAULT}, {model.num_params():,} params, {model.dtype}, batch {B}x{T}", flush=True)
-  f = forward_bench(model, x, y)
-  def row(f:dict[str, float]) -> str: return " | ".join(f"{k} {v:,.3f}" for k, v in f.items())
-  print(row(f), flush=True)
-  with Context(CUDA_KERNELS=0): print("tinygrad's kernels: " + row(forward_bench(model, x, y)), flush=True)  # kernels/cuda.py's off
-  torch_reference(model, x, y)
-  resident = sum(p.nbytes() for p in model.params.values()) + x.nbytes() + y.nbytes()  # peaks below include the parameters and batch
-  print(f"clean forward peak {(f['clean fwd MiB'] * 2**20 + resident) / 2**20:.1f} MiB", flush=True)
-  for method, pop, n in [("backprop", 1, 1), ("mezo", 1, 1), *[("dust", p, n) for p in pops for n in args.devices]]:
-    by_kind = ByKind() if method == "dust" and n == 1 else None
-    t, m = step_bench(model, x, y, method, pop, n, by_kind)
-    peak, clean = m + resident, f["clean fwd MiB"] * 2**20 + resident  # on several devices: all of them together
-    name = f"{method} pop {pop} step" + (f" on {n} devices" if n > 1 else "")
-    print(f"{name:34s} {t:9.3f} s  peak {peak / 2**20:9.1f} MiB  ({peak / clean:.2f}x a clean forward)", flush=True)
-    if by_kind:
-      print(f"  by chunk kind, in a step of {by_kind.step:.3f} s with the syncs: " + ", ".join(f"{k} {v:.3f} s" for k, v in by_kind.times.items()),
-            flush=True)
-  if args.quick: looped_table([2, 8], True, pops[0])
+  if args.row: return print("ROW " + json.dumps(one_row(args.presets[0], args.row, args.quick, args.devices[0])), flush=True)
+  if args.loops: return looped_table(args.loops, args.quick, 64 if args.quick else 1024)
+  if args.default: return print(json.dumps(default_run(args)))
+  rows = [r for preset in (["tiny"] if args.quick else args.presets) for r in table(preset, args.rows or (QUICK if args.quick else ROWS), args)]
+  if args.json: json.dump(rows, open(args.json, "w"), indent=1)
+  if args.quick: looped_table([1, 2], True, 64)
 
 if __name__ == "__main__": main()

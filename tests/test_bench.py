@@ -12,14 +12,17 @@ def test_bench_quick():
   out = r.stdout
   ratio = float(re.search(r"ratio ([\d.]+)", out).group(1))
   assert 0 < ratio < 2, out  # the jittered forward runs and takes about as long as a clean one
-  for method in ("backprop pop 1", "mezo pop 1", "dust pop 64"):
-    t, mib = map(float, re.search(method + r" step +([\d.]+) s +peak +([\d.]+) MiB", out).groups())
-    assert t > 0 and mib > 0, out
+  # a row per method: seconds a step, forward-equivalents, the forwards it needs, overhead, peak, peak over the clean forward's, first step
+  for method, pop, rank, needs in (("mezo", 1, "-", 2), ("es", 8, "-", 8), ("es", 8, "1", 8), ("backprop", 1, "-", 3)):
+    cells = re.search(rf"^ *{method} +{pop} +{re.escape(rank)} +(.*)$", out, re.M).group(1).split()
+    s, fe, need, over, peak, ratio, first = map(float, cells)
+    assert s > 0 and peak > 0 and ratio > 0 and first > 0 and need == needs and abs(over - fe / need) < 0.01 * over + 0.01, (method, cells)
   # the dust row's split by chunk kind, from a step of its own: every kind of draw is timed, and the parts sum to less than that step
+  assert re.search(r"^ *dust +64 +- +[\d.]+", out, re.M), out
   step, kinds = re.search(r"by chunk kind, in a step of ([\d.]+) s with the syncs: (.*)", out).groups()
   parts = dict((k, float(v)) for k, v in re.findall(r"(\w+(?::\w+)?) ([\d.]+) s", kinds))
   assert {"direct", "head", "scalar", "local:q", "local:k", "local:v"} <= set(parts) and all(v > 0 for v in parts.values()), parts
   assert sum(parts.values()) <= float(step), (parts, step)
-  for loops in (2, 8):  # the looped table: a row per depth, time and memory for mezo, es, dust, backprop
+  for loops in (1, 2):  # the looped table: a row per depth, time and memory for mezo, es, dust, backprop
     row = re.search(rf"^ +{loops} +(.*)$", out, re.M).group(1)
     assert len(re.findall(r"[\d.]+ s +[\d.]+ MiB", row)) == 4, row
