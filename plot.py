@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Pictures of zo's runs and benchmarks, as PNG files.
+
+  python plot.py runs/dust runs/backprop --out docs/loss.png      val loss against tokens and against seconds, a curve per run
+                                                                  (each run's metrics.jsonl; its label is the folder's name)
+  python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
+                                                                  a Dust update's seconds against the population, zo beside the
+                                                                  PyTorch reference (bench.json from `tests/bench.py --json`)
+"""
+import argparse, json, os
+import matplotlib
+matplotlib.use("Agg")  # files only: no screen needed
+import matplotlib.pyplot as plt
+
+def metrics(run:str) -> list[dict]:
+  with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
+
+def loss_curves(runs:list[str], out:str):
+  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for run in runs:
+    m, label = metrics(run), os.path.basename(os.path.normpath(run))
+    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label)
+    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label)
+  by_tokens.set(xlabel="tokens", ylabel="val loss (nats)")
+  by_time.set(xlabel="seconds")
+  for ax in (by_tokens, by_time): ax.grid(alpha=0.3)
+  by_tokens.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
+def dust_times(bench:str, reference:str, out:str):
+  rows = [r for r in json.load(open(bench)) if r["method"] == "dust" and r["devices"] == 1]
+  ref = json.load(open(reference))
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for preset in sorted({r["preset"] for r in rows}):
+    mine = sorted((r["pop"], r["s"]) for r in rows if r["preset"] == preset)
+    ax.plot(*zip(*mine), "o-", label=f"zo, {preset} preset")
+  ax.plot(ref["pop"], ref["seconds"], "s--", label=ref["label"])
+  ax.set(xscale="log", yscale="log", xlabel="population (draws)", ylabel="seconds per update", title=ref["title"])
+  ax.set_xticks(ref["pop"], [str(p) for p in ref["pop"]])
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("runs", nargs="*", help="run folders, each with a metrics.jsonl")
+  p.add_argument("--bench", help="tests/bench.py --json output")
+  p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
+  p.add_argument("--out", required=True, help="the PNG to write")
+  args = p.parse_args()
+  if args.bench: dust_times(args.bench, args.reference, args.out)
+  elif args.runs: loss_curves(args.runs, args.out)
+  else: p.error("give run folders, or --bench with --reference")
