@@ -1,6 +1,9 @@
-"""Data sources: a spec string -> a Source whose batch(split, i, B, T) is a pure function of (seed, split, i, B, T)."""
-import io, itertools, os
+"""Data sources: a spec string -> a Source whose batch(split, i, B, T) is a pure function of (seed, split, i, B, T). A tokenizer
+turns a .txt file into token ids: its UTF-8 bytes, or a byte-level BPE whose tokenization is cached beside the text."""
+from __future__ import annotations
+import hashlib, io, itertools, os, sys
 import numpy as np
+import tokenizers
 
 SPLITS = {"train": 0, "val": 1}
 BIN_MAGIC, BIN_HEADER = 20240520, 4 * 256  # llm.c / modded-nanogpt shard: 256 int32 header (magic, version, n), then n uint16 tokens
@@ -85,6 +88,65 @@ class Tokens(Source):
     row = part[rng.integers(0, len(part) - T, B)[:, None] + np.arange(T + 1)]
     return row[:, :-1], row[:, 1:]
 
+# ***** tokenizers: text <-> token ids *****
+
+class Bytes:
+  """Token i is byte i of the UTF-8 text: any text encodes, at vocab 256."""
+  spec, vocab = "bytes", 256
+  def encode(self, text:str) -> np.ndarray: return np.frombuffer(text.encode(), np.uint8)
+  def decode(self, ids:list[int]) -> str: return bytes(ids).decode("utf-8", errors="replace")  # a cut multi-byte character shows as �
+BYTES = Bytes()
+
+class BPE:
+  """A byte-level BPE (Hugging Face tokenizers): the 256 bytes, then the merges learned from a text. Words are split as GPT-2 does,
+  with no prefix space and no normalizer, so decode(encode(s)) == s for every string s. Its vocab is N, the size asked for, even when
+  a short text gives fewer merges. `sha` is the sha256 of its JSON form, which keys the token cache."""
+  def __init__(self, tok:tokenizers.Tokenizer, size:int):
+    self.tok, self.vocab, self.spec = tok, size, f"bpe:{size}"
+    self.sha = hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+  @staticmethod
+  def train(text:str, size:int) -> BPE:  # deterministic: the same text and size give the same merges, in every process
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()  # all 256 bytes, seen or not, so that any text encodes
+    tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=size, initial_alphabet=alphabet, show_progress=False))
+    return BPE(tok, size)
+
+  @staticmethod
+  def read(path:str, size:int) -> BPE:
+    text = read_text(path, read(path))
+    try: return BPE(tokenizers.Tokenizer.from_str(text), size)
+    except Exception as e: raise DataError(f"{path}: not a tokenizer's JSON ({e})") from None  # tokenizers raises a bare Exception
+
+  def save(self, path:str):
+    with open(tmp := f"{path}.{os.getpid()}.tmp", "w") as f: f.write(self.tok.to_str())
+    os.replace(tmp, path)
+
+  def encode(self, text:str) -> np.ndarray: return np.array(self.tok.encode(text).ids, np.uint16)  # N <= 65536: uint16, as in a .bin
+  def decode(self, ids:list[int]) -> str: return self.tok.decode(ids)
+
+def bpe_size(spec:str) -> int|None:
+  """--tokenizer: None for bytes, N for bpe:N. 256 < N: more than the bytes it starts from; N <= 65536: ids fit a .bin's uint16."""
+  if spec == "bytes": return None
+  kind, _, n = spec.partition(":")
+  if kind != "bpe" or not n.isdigit() or not 256 < int(n) <= 65536:
+    raise DataError(f"--tokenizer {spec}: use bytes or bpe:N with 256 < N <= 65536")
+  return int(n)
+
+def needs_text(spec:str, data:str):
+  if not data.endswith(".txt"): raise DataError(f"--tokenizer {spec} is for text: --data {data} is not a .txt file")
+
+def tokenizer(spec:str, data:str, saved:str|None=None) -> Bytes|BPE:
+  """--tokenizer SPEC for --data DATA: bytes, or a BPE of size N, read from `saved` (a run's own tokenizer.json) or else trained
+  on the training split of the text (its first 90%), so that the validation text is unseen."""
+  if (n := bpe_size(spec)) is None: return BYTES
+  needs_text(spec, data)
+  if saved: return BPE.read(saved, n)
+  text = read_text(data, read(data))
+  return BPE.train(text[:len(text) - len(text) // 10], n)
+
 # ***** reading files *****
 
 def read(path:str) -> bytes:
@@ -96,6 +158,10 @@ def read(path:str) -> bytes:
   return data
 
 def read_txt(path:str, data:bytes) -> np.ndarray: return np.frombuffer(data, np.uint8)
+
+def read_text(path:str, data:bytes) -> str:
+  try: return data.decode("utf-8")
+  except UnicodeDecodeError as e: raise DataError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start]:#x}); a BPE reads text") from None
 
 def read_bin(path:str, data:bytes) -> np.ndarray:
   if len(data) < BIN_HEADER: raise DataError(f"{path}: {len(data)} bytes, shorter than the {BIN_HEADER}-byte header of a .bin shard")
@@ -114,26 +180,46 @@ def read_npy(path:str, data:bytes) -> np.ndarray:
   if ids.size and ids.min() < 0: raise DataError(f"{path}: holds negative token ids (min {ids.min()})")
   return ids.ravel()
 
+def write_bin(path:str, ids:np.ndarray):
+  """ids as a .bin shard, atomically: written to a temp file, then renamed, so that a crash mid-write leaves no truncated file."""
+  header = np.zeros(BIN_HEADER // 4, "<i4")
+  header[:3] = BIN_MAGIC, 1, len(ids)
+  with open(tmp := f"{path}.{os.getpid()}.tmp", "wb") as f: f.write(header.tobytes() + ids.astype("<u2").tobytes())
+  os.replace(tmp, path)
+
+def encoded(path:str, data:bytes, tok:BPE) -> np.ndarray:
+  """The text's token ids, cached beside it as PATH.<text sha256>.<tokenizer sha256>.bin (16 hex digits of each): a changed text
+  or tokenizer has another cache, so a stale one is never read."""
+  cache = f"{path}.{hashlib.sha256(data).hexdigest()[:16]}.{tok.sha[:16]}.bin"
+  if os.path.exists(cache): return read_bin(cache, read(cache))
+  ids = tok.encode(read_text(path, data))
+  try: write_bin(cache, ids)
+  except OSError as e: print(f"data: can't write the token cache {cache} ({e.strerror}): the text is tokenized at every run", file=sys.stderr)
+  return ids
+
 READERS = {".txt": read_txt, ".bin": read_bin, ".npy": read_npy}
 TASKS = {"synthetic:parity": Parity, "synthetic:s5": S5}
 
 def check_vocab(name:str, top:int, vocab:int):
   if top >= vocab: raise DataError(f"{name}: token ids go up to {top} but the model's vocab is {vocab}: use --vocab {top + 1}")
 
-def load_tokens(path:str, vocab:int, seq_len:int, seed:int) -> Tokens:
+def load_tokens(path:str, vocab:int, seq_len:int, seed:int, tok:Bytes|BPE) -> Tokens:
   ext = os.path.splitext(path)[1]
-  ids = READERS[ext](path, read(path))
+  data = read(path)
+  ids = encoded(path, data, tok) if isinstance(tok, BPE) else READERS[ext](path, data)
   if len(ids) // 10 < seq_len + 1:
     raise DataError(f"{path}: too short for one batch of seq_len {seq_len}: {len(ids)} tokens, need {10 * (seq_len + 1)} "
                     f"(the last 10% is val, and each split needs seq_len+1)")
   check_vocab(path, top := int(ids.max()), vocab)
-  return Tokens(path, 256 if ext == ".txt" else top + 1, ids, seed)
+  return Tokens(path, tok.vocab if ext == ".txt" else top + 1, ids, seed)
 
-def load(spec:str, vocab:int, seq_len:int, seed:int=0) -> Source:
+def load(spec:str, vocab:int, seq_len:int, seed:int=0, tok:Bytes|BPE=BYTES) -> Source:
+  """The source of `spec`; a .txt file is read as token ids by `tok` (from tokenizer(): bytes by default)."""
+  if isinstance(tok, BPE): needs_text(tok.spec, spec)
   if vocab < 2 or seq_len < 1: raise DataError(f"{spec}: needs vocab >= 2 and seq_len >= 1, got vocab {vocab} and seq_len {seq_len}")
   if spec == "synthetic": return Markov(vocab, seed)
   if spec in TASKS:
     check_vocab(spec, (src := TASKS[spec](seed)).vocab - 1, vocab)
     return src
-  if os.path.splitext(spec)[1] in READERS: return load_tokens(spec, vocab, seq_len, seed)
+  if os.path.splitext(spec)[1] in READERS: return load_tokens(spec, vocab, seq_len, seed, tok)
   raise DataError(f"unknown data spec {spec!r}: use {FORMS}")

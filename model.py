@@ -156,6 +156,13 @@ class GPT:
     model.params for this pass (perturbed weights)."""
     return self._forward(idx, targets, Pass(self, jitter, None, params), cache)
 
+  def logits(self, idx:Tensor) -> Tensor:
+    """The softcapped logits [B, T, V] (float32) of a clean pass: the forward of losses(), whose last stream it records, then the
+    head's projection without the loss (which stays lazy, and so is never computed)."""
+    p = Pass(self, None, rec := {})
+    self._forward(idx, idx, p, None)
+    return softcap(p.linear("lm_head", norm(rec[f"x.{self.n_blocks}"], self.dtype)).float(), self.cfg.softcap)
+
   def capture(self, idx:Tensor, targets:Tensor, params:dict|None=None) -> tuple[Tensor, dict[str, Tensor]]:
     """The clean losses and a cache: every site's output (`name`) and input (`name:in`), `x0`, each block's input `x.{i}`
     and post-mix stream `h.{i}`. All realized, so reruns read them instead of recomputing. `params` as in losses()."""

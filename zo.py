@@ -17,6 +17,7 @@ from tinygrad import Context, Tensor, dtypes, nn
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from model import jitted, release
+from data import BPE, Bytes
 from devices import names, spread
 import dust
 
@@ -203,13 +204,18 @@ def save(out:str, model, opt:Optimizer, step:int):
   with open(tmp, "rb+") as f: os.fsync(f.fileno())
   os.replace(tmp, path)
 
-def resume(out:str, model, opt:Optimizer) -> int:
+def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Tensor], int]:
+  """The model's parameters set from the checkpoint in out; returns the checkpoint's tensors whose names start with `keep`, and its step."""
   path = os.path.join(out, "model.safetensors")
-  if not os.path.exists(path): raise UsageError(f"--resume: no checkpoint at {path}")
-  with safe_open(path, "np") as f: st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys()}, int(f.metadata()["step"])
+  if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}")
+  with safe_open(path, "np") as f: st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys() if k.startswith(keep)}, int(f.metadata()["step"])
   for n, p in model.params.items():
-    if f"param.{n}" not in st or st[f"param.{n}"].shape != p.shape: raise UsageError(f"--resume: {path} holds another model ({n} differs)")
+    if f"param.{n}" not in st or st[f"param.{n}"].shape != p.shape: raise UsageError(f"{flag}: {path} holds another model ({n} differs)")
     p.assign(st[f"param.{n}"].to(p.device)).realize()
+  return st, step
+
+def resume(out:str, model, opt:Optimizer) -> int:
+  st, step = load_checkpoint(out, model, "--resume")
   opt.load(st)
   return step
 
@@ -237,27 +243,44 @@ def make_model(args):
   args.seq = args.seq or model.cfg.seq_len
   return model
 
+def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
+  """--tokenizer for --data: bytes, or a BPE: under `flag` (--resume, --sample) the run's own, OUT/tokenizer.json, else one trained
+  on the text. A BPE of size N sets --vocab to N."""
+  from data import bpe_size, tokenizer
+  saved = os.path.join(args.out, "tokenizer.json")
+  if flag and bpe_size(args.tokenizer) and not os.path.exists(saved):
+    raise UsageError(f"{flag}: {args.out} has no tokenizer.json: it is not a run of --tokenizer {args.tokenizer}")
+  tok = tokenizer(args.tokenizer, args.data, saved if flag else None)
+  if isinstance(tok, BPE):
+    if args.vocab not in (None, tok.vocab): raise UsageError(f"--vocab {args.vocab}: --tokenizer {tok.spec} sets the vocab to {tok.vocab}")
+    args.vocab = tok.vocab
+  return tok
+
 def method_opts(args) -> dict:
   return {"mezo": {"eps": args.eps, "devices": args.devices}, "es": {"sigma": args.sigma, "shaping": args.shaping, "rank": args.rank,
           "devices": args.devices},
           "dust": {"optimizer": args.optim, "devices": args.devices}, "backprop": {}}[args.method]
 
+def run_config(path:str) -> dict: return {"tokenizer": "bytes"} | json.load(open(path))  # a run from before --tokenizer read bytes
+
 def train(args):
   from data import load
+  tok = text_tokenizer(args, "--resume" if args.resume else None)  # resumed, a run keeps its tokenizer, whatever the text is now
   model = make_model(args)
   if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
-  data = load(args.data, model.cfg.vocab, args.seq, args.seed)
+  data = load(args.data, model.cfg.vocab, args.seq, args.seed, tok)
   steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop)
   opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
-  config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine")}
+  config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   start = 0
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
-    old = json.load(open(cfg_path))
-    if diff := [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay") if old.get(k) != config[k]]:
+    old = run_config(cfg_path)
+    diff = [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer") if old.get(k) != config[k]]
+    if diff:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
@@ -266,8 +289,10 @@ def train(args):
     raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
   os.makedirs(args.out, exist_ok=True)
   json.dump(config, open(cfg_path, "w"), indent=1)
-  for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp"):  # --force: nothing of the old run stays
+  # --force: nothing of the old run stays
+  for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp", "tokenizer.json"):
     if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
+  if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
@@ -332,14 +357,65 @@ def cosines(g:dict[str, Tensor], ref:dict[str, Tensor]) -> dict[str, float]:
 
 def cosine_table(args):
   from data import load
+  tok = text_tokenizer(args)
   model = make_model(args)
-  x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed).batch("train", 0, args.batch, args.seq))
+  x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed, tok).batch("train", 0, args.batch, args.seq))
   ref = estimate(model, x, y, "backprop", 1, 0)
   rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **method_opts(args)), ref) for pop in args.pops}
   types = list(next(iter(rows.values())))
   print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}\n" + f"{'pop':>7} " +
         " ".join(f"{t:>8}" for t in types))
   for pop, r in rows.items(): print(f"{pop:>7} " + " ".join(f"{r[t]:>8.3f}" for t in types))
+
+# ***** --sample: text from a checkpoint *****
+
+def last_logits(model, window:Tensor, last:Tensor) -> Tensor: return model.logits(window)[0, last]
+
+def next_logits(model, ids:list[int]) -> np.ndarray:
+  """The logits [V] that follow ids, at one shape, [1, context], so one TinyJit serves every step: the last `context` ids left-aligned
+  in the window and padded with 0s, which the causal model does not see from the positions before them."""
+  T = model.cfg.seq_len
+  ctx = ids[-T:]  # the window slides once the text is longer than the context
+  window = np.zeros((1, T), np.int32)
+  window[0, :len(ctx)] = ctx
+  return jitted(last_logits, model, (1, T))(Tensor(window), Tensor([len(ctx) - 1], dtype=dtypes.int32)).numpy()[0]
+
+def next_probs(logits:np.ndarray, temperature:float, top_k:int|None) -> np.ndarray:
+  """softmax(logits / temperature) over the top_k largest logits (all of them for None), 0 elsewhere; in float64."""
+  z = logits.astype(np.float64) / temperature
+  if top_k is not None and top_k < len(z): z[np.argsort(z, kind="stable")[:-top_k]] = -np.inf  # a tie goes to the later index: k stay
+  p = np.exp(z - z.max())
+  return p / p.sum()
+
+def generate(model, ids:list[int], n:int, temperature:float, top_k:int|None, seed:int) -> list[int]:
+  """ids and n tokens after them, each drawn from next_probs by NumPy on the host: the same seed gives the same text on every backend."""
+  rng, ids = np.random.default_rng(seed), list(ids)
+  for _ in range(n):
+    p = next_probs(next_logits(model, ids), temperature, top_k)
+    ids.append(int(rng.choice(len(p), p=p)))
+  return ids
+
+def prompt_ids(tok:Bytes|BPE, prompt:str, vocab:int) -> list[int]:
+  if not prompt: raise UsageError("--prompt is empty: the model needs a token to start from")
+  if bad := next((c for c in prompt if tok.encode(c).max() >= vocab), None):
+    raise UsageError(f"--prompt: {bad!r} is token {tok.encode(bad).max()}, outside the model's vocab of {vocab}")
+  return tok.encode(prompt).tolist()
+
+def sample(args):
+  """--sample N: N tokens after --prompt from the checkpoint in --out, printed as text; the rate goes to stderr, so stdout is the text."""
+  if not os.path.exists(cfg_path := os.path.join(args.out, "config.json")): raise UsageError(f"--sample: no run in {args.out} (no config.json)")
+  run = argparse.Namespace(**run_config(cfg_path) | {"out": args.out})
+  tok = text_tokenizer(run, "--sample")
+  model = make_model(run)
+  load_checkpoint(args.out, model, "--sample", keep="param.")
+  ids = prompt_ids(tok, args.prompt, model.cfg.vocab)
+  t0 = time.perf_counter()
+  next_logits(model, ids)  # compiles and captures the JIT, which the rate leaves out
+  t1 = time.perf_counter()
+  ids = generate(model, ids, args.sample, args.temperature, args.top_k, args.seed)
+  t2 = time.perf_counter()
+  print(tok.decode(ids))
+  print(f"{args.sample} tokens at {args.sample / (t2 - t1):,.1f} tokens/s ({t1 - t0:.1f} s to compile the forward first)", file=sys.stderr)
 
 # ***** the command line *****
 
@@ -354,6 +430,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--loops", type=int, default=None, help="loop count of the looped model (training depth)")
   p.add_argument("--eval-loops", type=int, default=None, help="loop count for evaluation (default: --loops)")
   p.add_argument("--data", default="synthetic", help="synthetic | synthetic:parity | synthetic:s5 | FILE.txt | FILE.bin | FILE.npy")
+  p.add_argument("--tokenizer", default="bytes", help="for a .txt file: bytes (vocab 256), or bpe:N, a byte-level BPE of N tokens "
+                 "trained on the text's training split (saved as OUT/tokenizer.json; the tokens are cached beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
   p.add_argument("--tokens", type=int, default=1_000_000, help="training budget in tokens, when --steps is not given")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
@@ -376,11 +454,18 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
   p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit")
   p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")
+  p.add_argument("--sample", type=int, default=None, metavar="N", help="print N tokens sampled from the checkpoint in --out, then exit")
+  p.add_argument("--prompt", default="\n", help="--sample: the text to continue (default: %(default)r)")
+  p.add_argument("--temperature", type=float, default=1.0, help="--sample: divides the logits before the softmax")
+  p.add_argument("--top-k", type=int, default=None, help="--sample: draw from the k likeliest tokens only; None: from all")
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
   for flag in ("pop", "batch", "eval_every", "ckpt_every"):
     if min(args.pops if flag == "pop" else [getattr(args, flag)]) < 1: p.error(f"--{flag.replace('_', '-')} must be at least 1")
   if args.replay < 0: p.error("--replay must be 0 (a momentum buffer) or a number of steps")
+  for flag in ("sample", "top_k"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1: p.error(f"--{flag.replace('_', '-')} must be at least 1")
+  if args.temperature <= 0: p.error("--temperature must be positive")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
   return args
 
@@ -411,7 +496,7 @@ def main(argv:list[str]|None=None):
   try:
     args.model = args.model or ("tiny" if default_device() == "CPU" else "small")
     check_devices(args)
-    cosine_table(args) if args.cosine else train(args)
+    sample(args) if args.sample else cosine_table(args) if args.cosine else train(args)
   except (UsageError, DataError, ValueError) as e:
     print(f"zo: error: {e}", file=sys.stderr)
     sys.exit(2)
