@@ -132,6 +132,9 @@ class Draws:
 # which fills an H200, so one chunk a call there and 8 at the small preset's 8 x 256, where a call of one chunk had cost more host
 # time than its kernels (771 calls a pop-1024 update: 4.8 s of host time on the NULL device, 2 cores).
 TOKENS = 131072
+# On the CPU, one chunk a call: no launch cost to win back there, and G chunks a call had cost more compiling, time and memory (tiny
+# model, pop 64, NOOPT=1, no compile cache, 2 cores: first step 36.6 s → 24.0 s, then 3.6 s → 3.0 s a step).
+CPU_TOKENS = 0
 
 _sums:dict[tuple[int, int, int], list[Tensor]] = {}
 def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
@@ -143,7 +146,8 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   by its first call: allocating them at every group, by realizes that each walk every live tensor, had cost more host time
   than a small model's draws. The JIT's scratch is freed after its group, so the update's ~60 JITs never hold it at the same time."""
   n = len(draws.chunks) // (unit or 1)
-  G = max(g for g in range(1, n + 1) if n % g == 0 and (g == 1 or g * tokens <= TOKENS))
+  most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
+  G = max(g for g in range(1, n + 1) if n % g == 0 and (g == 1 or g * tokens <= most))
   jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, **static)
   sums = _sums.setdefault((id(jit), draws.group, draws.block), [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes])
   where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
