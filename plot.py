@@ -34,9 +34,10 @@ def dust_times(bench:str, reference:str, out:str):
   fig, ax = plt.subplots(figsize=(6, 4))
   for preset in sorted({r["preset"] for r in rows}):
     mine = sorted((r["pop"], r["s"]) for r in rows if r["preset"] == preset)
-    ax.plot(*zip(*mine), "o-", label=f"zo, {preset} preset")
+    ax.plot(*zip(*mine), "o-", label=f"zo ({preset})")
   ax.plot(ref["pop"], ref["seconds"], "s--", label=ref["label"])
   ax.set(xscale="log", yscale="log", xlabel="population (draws)", ylabel="seconds per update", title=ref["title"])
+  ax.minorticks_off()
   ax.set_xticks(ref["pop"], [str(p) for p in ref["pop"]])
   ax.grid(alpha=0.3)
   ax.legend()
