@@ -230,7 +230,7 @@ def main():
   p.add_argument("--default", action="store_true", help="only the default command's wall time against backprop's")
   p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
   p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust row on each of these device counts")
-  p.add_argument("--json", default=None, help="also write the rows to this file (tests/plot.py draws from it)")
+  p.add_argument("--json", default=None, help="also write the rows to this file (plot.py --bench draws from it)")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()
   if args.row: return print("ROW " + json.dumps(one_row(args.presets[0], args.row, args.quick, args.devices[0])), flush=True)
