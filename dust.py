@@ -26,20 +26,20 @@ from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
 from model import GPTConfig, jitted, release, softcap
 
-# ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §4.1, §4.3) *****
+# ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §3.14, §4.1) *****
 
-POPULATIONS = (64, 256, 1024, 4096, 16384)
-NREP = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}
+POPULATIONS = (64, 256, 1024, 4096, 16384)  # the release's SGD cells; AdamW takes any multiple of 256 whose counts split into chunks
+NREP = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}  # draws per chunk; a population between cells takes the one below
 KINDS = ("q", "v", "gate", "k", "ve")  # attention internals, in the release's order (§3.5)
-# 8-block allocations per 256 of population (scale = P / 256): writers (= hidden), hubs, embedding; local per block per kind
-SGD = ((38, 32, 16, 10, 6, 4, 2, 2), (6, 6, 4, 2, 2, 2, 2, 2), 10)
-SGD_16K_10M = ((34, 28, 14, 8, 6, 4, 2, 2), (12, 10, 8, 4, 4, 4, 4, 4), 10)  # the release's tuned override, with gamma 0.99
-ADAM = ((20, 16, 10, 6, 4, 4, 2, 2), (22, 22, 14, 8, 8, 8, 8, 6), 128)  # the reproduction's reading of the paper (1.375 P)
-LOCAL = {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 8}
-# P = 64 isn't a multiple of 256, so it has absolute counts [S]; the Adam one keeps the Adam family totals (16/16/24/32)
-POP64 = ((6, 4, 2, 2, 2, 2, 2, 2), (2,) * 8, 4)
-POP64_ADAM = ((2,) * 8, (6, 4, 4, 2, 2, 2, 2, 2), 32)
-LOCAL64 = {"q": 2, "v": 6, "gate": 2, "k": 4, "ve": 2}
+# 8-block allocations per 256 of population (scale = P / 256): writers, hidden, hubs, embedding; local per block per kind
+SGD_W = (38, 32, 16, 10, 6, 4, 2, 2)
+SGD = (SGD_W, SGD_W, (6, 6, 4, 2, 2, 2, 2, 2), 10, {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 8})
+SGD_16K_W = (34, 28, 14, 8, 6, 4, 2, 2)  # the release's tuned override at 16k and 10M tokens, with gamma 0.99
+SGD_16K_10M = (SGD_16K_W, SGD_16K_W, (12, 10, 8, 4, 4, 4, 4, 4), 10, SGD[4])
+# the Noise record's (§3.14): flat over depth, the hidden layer and the hubs at twice the writers, the value embeddings 72
+NOISE = ((4,) * 8, (8,) * 8, (8,) * 8, 32, {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 72})
+# P = 64 isn't a multiple of 256, so it has absolute counts [S]
+POP64 = ((6, 4, 2, 2, 2, 2, 2, 2), (6, 4, 2, 2, 2, 2, 2, 2), (2,) * 8, 4, {"q": 2, "v": 6, "gate": 2, "k": 4, "ve": 2})
 SGD_LR = {"1M": {256: (0.25, 0.95), 1024: (0.225, 0.95), 4096: (0.225, 0.98), 16384: (0.225, 0.98)},  # (lr, momentum)
           "10M": {256: (0.175, 0.95), 1024: (0.25, 0.95), 4096: (0.25, 0.95), 16384: (0.25, 0.95)}}
 
@@ -48,19 +48,21 @@ class Recipe:
   population:int
   nrep:int                           # draws per chunk: the batch is repeated nrep times in one forward
   writers:tuple[int, ...]            # per block (§3.3)
-  hidden:tuple[int, ...]             # per block, = writers
+  hidden:tuple[int, ...]             # per block
   hubs:tuple[int, ...]
   embedding:int
   head:int
   local:dict[str, tuple[int, ...]]   # kind -> per block draws; gate and ve are 0 off the value-embedding blocks
   gamma:float                        # credit decay of k, v, gate, ve (§3.5)
+  gamma0:float                       # credit decay of block 0's direct draws: 0 rewards each token's own loss only (§3.14)
   sigma:dict[str, float | tuple[float, ...]]  # per family; "hubs" per block
   scalar_draws:int
   optimizer:str                      # "sgd" or "adam"
   lr:float                           # matrices and head
   momentum:float                     # SGD momentum, or Adam's beta1
   betas:tuple[float, float] | None
-  group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §4.3
+  group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §3.14
+  warmdown:float                     # the fraction of the steps at the end over which the lr falls linearly to zero
 
   def lr_for(self, name:str) -> float: return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
 
@@ -79,29 +81,34 @@ def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   return tuple(int(u) * unit for u in units)
 
 def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) -> Recipe:
-  if population not in POPULATIONS: raise ValueError(f"Dust supports populations {', '.join(map(str, POPULATIONS))}, not {population}")
+  """The release's SGD recipe for its populations and budgets (§3.11, §4.1), or under Adam(W) the Noise record's (§3.14) at any
+  population that is a multiple of 256: every count per 256 of population, sigmas doubled, block 0 rewarded by a reward-to-go,
+  AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
-  adam, nrep, scale = optimizer != "sgd", NREP[population], population // 256
-  if population == 64: (writers, hubs, embedding), local = POP64_ADAM if adam else POP64, LOCAL64
-  else:
-    base = ADAM if adam else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
-    writers, hubs, embedding = tuple(c * scale for c in base[0]), tuple(c * scale for c in base[1]), base[2] * scale
-    local = {kind: c * scale for kind, c in LOCAL.items()}
-  writers, hubs, has_ve = resample(writers, n_layer, nrep), resample(hubs, n_layer, nrep), GPTConfig(n_layer=n_layer).has_ve
-  base_lr = 0.002 if population >= 16384 else 0.0015  # Adam (§4.3); SGD below (§4.1, P = 64 takes P = 256's settings [S])
-  lr, momentum = (base_lr, 0.7) if adam else SGD_LR[budget][max(population, 256)]
-  r = Recipe(population, nrep, writers, writers, hubs, embedding, (3 if adam else 4) * population,
-             {kind: tuple(c if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer)) for kind, c in local.items()},
-             0.99 if (population, budget) == (16384, "10M") else 0.98,
-             {"writers": 0.2, "hidden": 0.2, "embedding": 0.4 if adam else 0.2, "head": 0.05, "local": 0.05, "scalars": 0.03,
-              "hubs": tuple(0.2 if 2 * l < n_layer else 0.4 for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2
+  adam = optimizer != "sgd"
+  if adam and (population < 256 or population % 256):
+    raise ValueError(f"Dust's AdamW recipe counts its draws per 256 of population: the population must be a multiple of 256, not {population}")
+  if not adam and population not in POPULATIONS:
+    raise ValueError(f"Dust supports populations {', '.join(map(str, POPULATIONS))}, not {population}")
+  nrep = NREP[max(p for p in NREP if p <= population)]
+  base = NOISE if adam else POP64 if population == 64 else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
+  scale = 1 if base is POP64 else population / 256  # POP64's counts are absolute
+  writers, hidden, hubs = (resample(tuple(round(c * scale) for c in b), n_layer, nrep) for b in base[:3])
+  has_ve, double = GPTConfig(n_layer=n_layer).has_ve, 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
+  lr, momentum = (0.0015, 0.7) if adam else SGD_LR[budget][max(population, 256)]  # P = 64 takes P = 256's settings [S]
+  r = Recipe(population, nrep, writers, hidden, hubs, round(base[3] * scale), (3 if adam else 4) * population,
+             {kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer)) for kind, c in base[4].items()},
+             0.99 if (population, budget) == (16384, "10M") else 0.98, 0.3 if adam else 0.0,
+             {"writers": 0.2 * double, "hidden": 0.2 * double, "embedding": 0.2 * double * double, "head": 0.05 * double,
+              "local": 0.05 * double, "scalars": 0.03 * double,
+              "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * double for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2
              8, "adam" if adam else "sgd", lr, momentum, (0.7, 0.95) if adam else None,
-             {"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 100 * lr, "x0_lambdas": 100 * lr} if adam else
-             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03})
+             {"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr} if adam else
+             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03}, 0.3 if adam else 0.0)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
-  assert all(c % nrep == 0 for c in counts), f"every draw count must split into chunks of nrep={nrep} (§3.9, world 1)"
-  assert r.head % (nrep * 16) == 0, "head draws must split evenly over 16 slabs of nrep-draw chunks (§3.9)"
+  if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
+    raise ValueError(f"population {population}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
   return r
 
 def forwards(rc:Recipe) -> float:
@@ -149,7 +156,9 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
   G = max(g for g in range(1, n + 1) if n % g == 0 and (g == 1 or g * tokens <= most))
   jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, **static)
-  sums = _sums.setdefault((id(jit), draws.group, draws.block), [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes])
+  if (k := (id(jit), draws.group, draws.block)) not in _sums:
+    _sums[k] = [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes]
+  sums = _sums[k]
   where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
   for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), *inputs, sums)
   release(jit)
@@ -171,21 +180,22 @@ def recorded(model, site:str, depth:int|None) -> str:
   return site if depth is None else site + model.tag(depth)
 
 def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ...], sigma:float, draws:Draws, nrep:int,
-           rerun:str="block", depths:tuple[int|None, ...]=(None,)) -> dict[str, Tensor]:
+           rerun:str="block", depths:tuple[int|None, ...]=(None,), gamma:float=0.0) -> dict[str, Tensor]:
   """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
-  the chunk's draws. Returns the per-token estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each
-  perturbed pass at the jittered block from the captured activations (§3.10), "full" reruns the whole model.
+  the chunk's draws (with `gamma` > 0, its reward-to-go: the drops of the later tokens too, discounted). Returns the per-token
+  estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each perturbed pass at the jittered block from the
+  captured activations (§3.10), "full" reruns the whole model.
   `depths`: where the sites' block is applied, several in the looped model. Its sites are jittered at all of them in the same
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
   stream, params = model.rerun_inputs(rec, sites) if rerun == "block" else ({}, model.params)
   E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream, params,
-                 sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun)
+                 sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
   return {recorded(model, sites[j], d): e / (nrep * len(draws.chunks)) for (j, d, _), e in zip(outs, E)}
 
 def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], params:dict[str, Tensor], sites:tuple[str, ...],
-                 sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str) -> list[Tensor]:
+                 sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float) -> list[Tensor]:
   """G chunks of `direct` in one pass (k: their keys [G, 2]), nrep draws each, one per copy of the batch; outs lists (site index,
   depth, width) of the estimates."""
   B, T, G = *y.shape[:2], k.shape[0]
@@ -194,9 +204,15 @@ def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], 
                       params).reshape(G, nrep, B, T)
   # r_i - mean_j r_j over the chunk's draws, with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
   reward = loss.mean(1, keepdim=True) - loss
+  if gamma: reward = reward_to_go(reward, gamma)
   def noise(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
     return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * nrep * B, T, w)).reshape(G, nrep, B, T, w)
   return [-(reward.unsqueeze(-1) * noise(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]
+
+def reward_to_go(c:Tensor, gamma:float) -> Tensor:
+  """r_t = sum_{s>=t} gamma^(s-t) c_s along the last axis (tokens): block 0's jitter pays off mostly at later tokens (§3.14)."""
+  T = c.shape[-1]
+  return c @ credit(T, T, gamma).T
 
 # ***** output head: the slab trick on the cached logits (§3.6) *****
 
@@ -415,9 +431,9 @@ class Update:
   def group(self, name:str, l:int|None, sites:tuple[str, ...], sigma:float, n:int) -> dict[tuple[str, int|None], Tensor]:
     """n direct draws of a group's sites: their per-token errors, keyed by (site, depth); l is the parameter block, None outside."""
     if not n: return {}
-    ds, model, nrep = (None,) if l is None else self.depths(l), self.model, self.rc.nrep
+    ds, model, nrep, gamma = (None,) if l is None else self.depths(l), self.model, self.rc.nrep, self.rc.gamma0 if l == 0 else 0.0
     e = across(self.work, self.draws(name, 0 if l is None else l, n),
-               lambda w, d: direct(w.model, w.x, w.y, w.rec, sites, sigma, d, nrep, self.rerun, ds))
+               lambda w, d: direct(w.model, w.x, w.y, w.rec, sites, sigma, d, nrep, self.rerun, ds, gamma))
     return {(site, d): e[recorded(model, site, d)] for site in sites for d in ds}
 
 def direct_draws(u:Update) -> dict[tuple[str, int|None], Tensor]:
@@ -457,17 +473,42 @@ def scalar_draws(u:Update) -> dict[str, Tensor]:
   return {n: g / u.y.numel() for n, g in across(u.work, one_each, lambda w, d: scalar_es(w.model, w.x, w.y, u.rc.sigma["scalars"], d)).items()}
 
 def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
-  """§3.8: each weight's gradient from its sites' per-token errors and cached inputs (a weight used at several depths, tied across
-  loops, sums its outer products over them); and the clean mean loss."""
-  model, rec, grads = u.model, u.work[0].rec, dict(scalars)
-  for (s, d), e in err.items():
-    n, g = f"{s}.weight", weight_grad(e, rec[recorded(model, s + ":in", d)], model.params[f"{s}.weight"].shape)
-    grads[n] = grads[n] + g if n in grads else g
-  out = {n: grads.get(n, p.zeros_like()) for n, p in model.params.items()}  # a block without draws gets no update
-  mean = u.work[0].loss.mean()
-  Tensor.realize(*out.values(), mean)  # the mean now: the loss is the capture JIT's output, which its next replay overwrites
+  """§3.8: each weight's gradient from its sites' per-token errors and cached inputs, and the clean mean loss, as one JIT: eagerly,
+  scheduling its ~50 outer products cost more host time than a small model's draws. It writes into buffers allocated here, so the
+  estimate is the caller's to keep: a JIT's own outputs would be overwritten by the next step."""
+  model, rec = u.model, u.work[0].rec
+  sites = tuple(err)
+  out = {n: allocated(*p.shape, device=p.device) for n, p in model.params.items()} | {"loss": allocated(device=u.y.device)}
+  ins, which = distinct([rec[recorded(model, s + ":in", d)] for s, d in sites])
+  jitted(gradients, model, tuple(e.shape for e in err.values()), sites=sites, which=which)(list(err.values()), ins, scalars, u.work[0].loss, out)
   for w in u.work: release(w.capture)
-  return out, mean
+  return out, out.pop("loss")
+
+def allocated(*shape:int, device:str) -> Tensor:
+  """An empty float32 tensor with its memory: a JIT handed a Tensor.empty to write into wrote elsewhere (tinygrad 0.14), which the
+  next allocation then overwrote."""
+  t = Tensor.empty(*shape, device=device)
+  t.uop.buffer.ensure_allocated()
+  return t
+
+def distinct(ts:list[Tensor]) -> tuple[list[Tensor], tuple[int, ...]]:
+  """A JIT's inputs must be distinct buffers: each tensor once (the embeddings share the batch), and a view into a buffer that is
+  already an input as a copy of its own (the value-embedding gate reads the first 32 channels of q's input). Returns the inputs
+  and, per tensor, the index of its input."""
+  ins:dict[UOp, Tensor] = {}
+  for t in ts:
+    if t.uop not in ins: ins[t.uop] = t.contiguous() if any(t.uop.base is u.base for u in ins) else t
+  return list(ins.values()), tuple(list(ins).index(t.uop) for t in ts)
+
+def gradients(model, errs:list[Tensor], ins:list[Tensor], scalars:dict[str, Tensor], loss:Tensor, out:dict[str, Tensor],
+              sites:tuple[tuple[str, int|None], ...], which:tuple[int, ...]):
+  """The outer products of §3.8 into `out`: a weight used at several depths (tied across loops) sums them; a block without draws
+  gets zeros (no update)."""
+  grads = dict(scalars)
+  for (s, _), e, i in zip(sites, errs, which):
+    n, g = f"{s}.weight", weight_grad(e, ins[i], model.params[f"{s}.weight"].shape)
+    grads[n] = grads[n] + g if n in grads else g
+  Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items() if n != "loss"], out["loss"].assign(loss.mean()))
 
 def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass): DUST.md §3's steps in order. opts: recipe (a Recipe, else

@@ -1,6 +1,7 @@
 """Tests of dust.py: the recipe tables and their rules, no autograd in the estimator, rerun-from-block = full rerun, the cosine to
 the autograd gradient rising with the population per layer type, and per-token node perturbation beating weight-space ES."""
 import copy, math
+from dataclasses import replace
 import numpy as np
 import pytest
 from tinygrad import Tensor, Context, GlobalCounters, dtypes
@@ -56,17 +57,44 @@ def test_recipe_override_and_optimizers():
   r = dust.recipe(256)  # SGD groups (§4.1)
   assert (r.lr, r.momentum, r.betas) == (0.25, 0.95, None)
   assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "x0_lambdas", "lm_head.weight")] == [1000, 0.3, 0.03, 0.25]
-  r = dust.recipe(1024, optimizer="adam")  # Adam (§4.3, §3.11)
-  assert (r.lr, r.betas, r.head, r.sigma["embedding"], r.embedding) == (0.0015, (0.7, 0.95), 3072, 0.4, 512)
-  assert r.lr_for("transformer.wte.weight") == pytest.approx(0.45) and r.lr_for("resid_lambdas") == pytest.approx(0.15)
-  assert dust.recipe(16384, optimizer="adam").lr == 0.002
+  assert (r.gamma0, r.warmdown) == (0.0, 0.0)
+
+def test_noise_recipe():
+  """The Noise record's AdamW recipe (§3.14): per 256 of population writers 4, hidden 8, hubs 8 a block, embedding 32, head 3P, per
+  block q 2, v 20, gate 6, k 12, ve 72; sigmas doubled; block 0 by a reward-to-go; lr 0.0015 flat for 70% of the steps."""
+  r = dust.recipe(1024, optimizer="adamw")
+  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head) == (8, (16,) * 8, (32,) * 8, (32,) * 8, 128, 3072)
+  assert r.local == {"q": (8,) * 8, "v": (80,) * 8, "gate": (0, 24) * 4, "k": (48,) * 8, "ve": (0, 288) * 4}
+  assert r.sigma == {"writers": 0.4, "hidden": 0.4, "embedding": 0.8, "head": 0.1, "local": 0.1, "scalars": 0.06,
+                     "hubs": (0.4,) * 4 + (0.8,) * 4}
+  assert (r.gamma0, r.gamma, r.lr, r.betas, r.warmdown) == (0.3, 0.98, 0.0015, (0.7, 0.95), 0.3)
+  assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "resid_lambdas", "lm_head.weight")] == \
+    pytest.approx([0.45, 0.45, 0.045, 0.0015])
+  r = dust.recipe(16384, "10M", "adamw")  # no tuned override under AdamW
+  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head) == (16, (256,) * 8, (512,) * 8, (512,) * 8, 2048, 49152)
+  assert r.local == {"q": (128,) * 8, "v": (1280,) * 8, "gate": (0, 384) * 4, "k": (768,) * 8, "ve": (0, 4608) * 4}
+  r = dust.recipe(24576, optimizer="adamw")  # the record's scale, "24k": §3.14's table
+  assert (sum(r.writers), sum(r.hidden), sum(r.hubs), r.embedding, r.head) == (3072, 6144, 6144, 3072, 73728)
+  assert sum(r.writers) + sum(r.hidden) + sum(r.hubs) + r.embedding == 18432
+  assert sum(v[1] for v in r.local.values()) == 10752 and r.local["ve"][1] == 6912
+
+@pytest.mark.parametrize("pop", [64, 100, 1280])
+def test_noise_recipe_rejects_populations(pop:int):
+  """Its counts are per 256 of population, and every one must split into chunks of nrep draws (1280 / 256 * 4 = 20 writers, nrep 8)."""
+  with pytest.raises(ValueError, match="multiple of 256" if pop % 256 else "don't split into chunks of 8"): dust.recipe(pop, optimizer="adamw")
+
+def test_reward_to_go():
+  """r_t = sum_{s>=t} gamma^(s-t) c_s, against the sum written out."""
+  c = np.random.default_rng(0).standard_normal((3, 2, 12)).astype(np.float32)
+  want = np.array([[[sum(0.3 ** (s - t) * row[s] for s in range(t, 12)) for t in range(12)] for row in m] for m in c])
+  np.testing.assert_allclose(dust.reward_to_go(Tensor(c), 0.3).numpy(), want, rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("n_layer", [2, 3, 4, 8, 12])
 def test_recipe_sums_and_divisibility(n_layer:int):
-  """P counts the direct draws (1.375 P under Adam), at every depth after resampling; every count splits into chunks (§3.9)."""
+  """P counts the direct draws (3/4 of P under AdamW), at every depth after resampling; every count splits into chunks (§3.9)."""
   for pop in dust.POPULATIONS:
     for budget in ("1M", "10M"):
-      for opt, total in (("sgd", pop), ("adam", pop * 11 // 8)):
+      for opt, total in (("sgd", pop), ("adamw", pop * 3 // 4))[:1 if pop == 64 else 2]:
         r = dust.recipe(pop, budget, opt, n_layer)
         assert sum(r.writers) + sum(r.hidden) + sum(r.hubs) + r.embedding == total, (pop, budget, opt)
         assert len(r.writers) == len(r.hubs) == n_layer and all(len(v) == n_layer for v in r.local.values())
@@ -100,6 +128,14 @@ def test_same_key_same_estimate(setup):
   a, b, c = estimate(setup, 64, 1), dust.estimate(model, x, y, 64, 1), estimate(setup, 64, 2)
   assert all(np.array_equal(a[n], b[n].numpy()) for n in a)
   assert all(not np.allclose(a[n], c[n]) for n in a)
+
+def test_reward_to_go_on_block_zero_only(setup):
+  """gamma0 > 0 changes block 0's direct draws (and the attention internals scored against block 0's hub errors) and nothing else."""
+  model, x, y, _ = setup
+  own = estimate(setup, 64, 1)
+  to_go = {n: g.numpy() for n, g in dust.estimate(model, x, y, 64, 1, recipe=replace(dust.recipe(64, n_layer=2), gamma0=0.3)).items()}
+  for n in own:
+    assert np.array_equal(own[n], to_go[n]) != n.startswith("transformer.h.0."), n
 
 def test_rerun_from_block_equals_full_rerun(setup):
   """§3.10: a jitter at block l can't change anything upstream, so starting there from the cached activations is exact."""
@@ -293,10 +329,10 @@ def test_recipe_one_block():
   """The looped model has one parameter block: every population's recipe resamples to n_layer=1 and keeps its totals and chunks."""
   for pop in dust.POPULATIONS:
     for budget in ("1M", "10M"):
-      for opt in ("sgd", "adam"):
+      for opt in ("sgd", "adamw")[:1 if pop == 64 else 2]:
         r, r8 = dust.recipe(pop, budget, opt, n_layer=1), dust.recipe(pop, budget, opt)
         assert (r.writers, r.hidden, r.hubs, r.embedding, r.head) == ((sum(r8.writers),), (sum(r8.hidden),), (sum(r8.hubs),), r8.embedding, r8.head)
-        assert all(len(v) == 1 and v[0] % r.nrep == 0 for v in r.local.values()) and r.sigma["hubs"] == (0.2,)
+        assert all(len(v) == 1 and v[0] % r.nrep == 0 for v in r.local.values()) and r.sigma["hubs"] == (r8.sigma["hubs"][0],)
 
 @pytest.fixture(scope="module")
 def looped():
