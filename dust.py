@@ -485,8 +485,8 @@ def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[st
   return out, out.pop("loss")
 
 def allocated(*shape:int, device:str) -> Tensor:
-  """An empty float32 tensor with its memory: a JIT handed a Tensor.empty to write into wrote elsewhere (tinygrad 0.14), which the
-  next allocation then overwrote."""
+  """An empty float32 tensor with its memory: a JIT that assigns into a Tensor.empty it is handed leaves the result in memory that
+  the next allocation reuses (tinygrad 0.14: the estimates came out as garbage)."""
   t = Tensor.empty(*shape, device=device)
   t.uop.buffer.ensure_allocated()
   return t
