@@ -277,6 +277,11 @@ class Looped(GPT):
     try: return super().losses(idx, targets, jitter, cache, params)
     finally: self.loops = saved
 
+def per_call(n:int, tokens:int, most:int) -> int:
+  """How many of n equal pieces of `tokens` tokens one JIT call runs: the most that divide n (so every call has one shape, one JIT)
+  and hold at most `most` tokens together, at least one."""
+  return max(c for c in range(1, n + 1) if n % c == 0 and (c == 1 or c * tokens <= most))
+
 _jits:dict[tuple, TinyJit] = {}
 def jitted(fn:Callable, owner, *shape, **static) -> TinyJit:
   """One TinyJit per (function, owner, input shape, knobs), kept for the process, calling fn(owner, *inputs, **knobs); the owner is the

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from tinygrad import Context, Tensor, dtypes, nn
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
-from model import jitted, release
+from model import jitted, per_call, release
 from data import BPE, Bytes
 from devices import names, spread
 import dust
@@ -53,8 +53,8 @@ def pair_losses(model, x:Tensor, y:Tensor, start:Tensor, key:Tensor, c:int, scal
   return Tensor.stack(plus, loss(-1), dim=1).realize()
 
 def chunk(pairs:int, tokens:int) -> int:
-  """Pairs per forward: the most that divide `pairs` (so every chunk has one shape, one JIT) with at most TOKENS tokens, at least one."""
-  return max(c for c in range(1, pairs + 1) if pairs % c == 0 and (c == 1 or c * tokens <= TOKENS))
+  """Pairs per forward: at most TOKENS tokens together."""
+  return per_call(pairs, tokens, TOKENS)
 
 def population(model, x:Tensor, y:Tensor, key:Tensor, pairs:int, scale:float, rank:int, devices:int) -> Tensor:
   """[pairs, 2]: pair_losses for the pairs 0 .. pairs-1, chunk by chunk, spread over devices. Pair j's direction depends on j alone,
@@ -272,8 +272,8 @@ def train(args):
   steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop)
   opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
-  warmdown = args.warmdown if args.warmdown is not None else dust.recipe(args.pop, "1M", "adamw").warmdown \
-    if (args.method, args.optim) == ("dust", "adamw") else 0.0
+  recipe_warmdown = dust.recipe(args.pop, "1M", args.optim, model.n_pblocks).warmdown if args.method == "dust" else 0.0
+  warmdown = recipe_warmdown if args.warmdown is None else args.warmdown
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   start = 0
