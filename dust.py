@@ -99,7 +99,7 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) 
   lr, momentum = (0.0015, 0.7) if adam else SGD_LR[budget][max(population, 256)]  # P = 64 takes P = 256's settings [S]
   r = Recipe(population, nrep, writers, hidden, hubs, round(base[3] * scale), (3 if adam else 4) * population,
              {kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer)) for kind, c in base[4].items()},
-             0.99 if (population, budget) == (16384, "10M") else 0.98, 0.3 if adam else 0.0,
+             0.99 if base is SGD_16K_10M else 0.98, 0.3 if adam else 0.0,
              {"writers": 0.2 * double, "hidden": 0.2 * double, "embedding": 0.2 * double * double, "head": 0.05 * double,
               "local": 0.05 * double, "scalars": 0.03 * double,
               "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * double for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2

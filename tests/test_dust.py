@@ -70,8 +70,8 @@ def test_noise_recipe():
   assert (r.gamma0, r.gamma, r.lr, r.betas, r.warmdown) == (0.3, 0.98, 0.0015, (0.7, 0.95), 0.3)
   assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "resid_lambdas", "lm_head.weight")] == \
     pytest.approx([0.45, 0.45, 0.045, 0.0015])
-  r = dust.recipe(16384, "10M", "adamw")  # no tuned override under AdamW
-  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head) == (16, (256,) * 8, (512,) * 8, (512,) * 8, 2048, 49152)
+  r = dust.recipe(16384, "10M", "adamw")  # no tuned override under AdamW: neither its counts nor its credit decay 0.99
+  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head, r.gamma) == (16, (256,) * 8, (512,) * 8, (512,) * 8, 2048, 49152, 0.98)
   assert r.local == {"q": (128,) * 8, "v": (1280,) * 8, "gate": (0, 384) * 4, "k": (768,) * 8, "ve": (0, 4608) * 4}
   r = dust.recipe(24576, optimizer="adamw")  # the record's scale, "24k": §3.14's table
   assert (sum(r.writers), sum(r.hidden), sum(r.hubs), r.embedding, r.head) == (3072, 6144, 6144, 3072, 73728)
