@@ -2,13 +2,17 @@
 
 Member m's weight is W_m = W + c E_m, with one signed scale c for the whole forward (an antithetic pair is two forwards, c = +sigma
 then -sigma, so only one sign's activations are ever live). E_m is a full-rank Gaussian Z_m, or EGGROLL's rank-r product
-A_m B_m^T / sqrt(r) (A_m, B_m Gaussian), which the forward never forms: x W_m^T = x W^T + c/sqrt(r) (x B_m) A_m^T. The directions
-come from the members' keys.
+A_m B_m^T / sqrt(r) (A_m, B_m Gaussian). The directions come from the members' keys.
+
+Every member's W_m is formed once per forward, whatever the rank. A member owns a whole batch (thousands of tokens), so forming
+its weight costs about 1/tokens of its matmul, which then runs on the dense GEMM. EGGROLL's way, x W^T + c/sqrt(r) (x B_m) A_m^T,
+never forms W_m, but its thin matmuls and the extra pass over every layer's output made a rank-1 ES step at pop 256 2.4x (small
+preset) and 3.1x (dust preset) slower on the H200 (docs/performance.md); it pays where members have a few tokens each, not here.
 """
 import math
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
-from kernels.matmul import activate, linear
+from kernels.matmul import linear
 from kernels.noise import fold, gaussian
 
 def direction(keys:Tensor, shape:tuple[int, ...], rank:int) -> Tensor|tuple[Tensor, Tensor]:
@@ -31,22 +35,16 @@ class Population:
     self.e = direction(keys, w.shape, self.rank)
 
   def dense(self, dtype:DType) -> Tensor:  # every member's full weight [M, *shape], materialized once per forward
-    return (self.w + self.c * self.e).cast(dtype).contiguous()
+    e = self.e if self.rank == 0 else self.e[0] @ self.e[1].transpose(-1, -2) / math.sqrt(self.rank)
+    return (self.w + self.c * e).cast(dtype).contiguous()
 
   def linear(self, x:Tensor, dtype:DType, act:str|None=None) -> Tensor:  # act(x) @ W_m^T, member by member along the rows
-    if self.rank == 0: return linear(x, self.dense(dtype), act)
-    a, b = (f.cast(dtype) for f in self.e)
-    low = (activate(x, act).reshape(self.M, -1, x.shape[-1]) @ b) @ a.transpose(-1, -2) * (self.c / math.sqrt(self.rank))
-    y = linear(x, self.w, act)
-    return y + low.reshape(y.shape)
+    return linear(x, self.dense(dtype), act)
 
-  def embed(self, idx:Tensor, dtype:DType) -> Tensor:  # row lookup; (W + c A B^T)[idx] = W[idx] + c A[idx] B^T
+  def embed(self, idx:Tensor, dtype:DType) -> Tensor:  # member m's rows idx of W_m, from the stacked [M * V, d] weights
     V, d = self.w.shape
     offs = (Tensor.arange(idx.shape[0]) // (idx.shape[0] // self.M) * V).reshape(-1, 1).cast(dtypes.int32)
-    if self.rank == 0: return self.dense(dtype).reshape(self.M * V, d)[idx + offs]
-    a, b = (f.cast(dtype) for f in self.e)
-    low = a.reshape(self.M * V, self.rank)[idx + offs].reshape(self.M, -1, self.rank) @ b.transpose(-1, -2) * (self.c / math.sqrt(self.rank))
-    return self.w.cast(dtype)[idx] + low.reshape(*idx.shape, d)
+    return self.dense(dtype).reshape(self.M * V, d)[idx + offs]
 
   def scale(self, i:int, x:Tensor) -> Tensor: return per_member(self.dense(dtypes.float32)[:, i], x)  # a residual-mix scalar per member
 
