@@ -38,12 +38,11 @@ def combine(keys:Tensor, coef:Tensor, shape:tuple[int, ...], rank:int) -> Tensor
 class Population:
   def __init__(self, w:Tensor, keys:Tensor, c:float, rank:int=0):
     self.w, self.c, self.M = w, c, keys.shape[0]
-    self.rank = rank if w.ndim == 2 else 0
-    self.e = direction(keys, w.shape, self.rank)
+    e = direction(keys, w.shape, rank)
+    self.e = e if isinstance(e, Tensor) else e[0] @ e[1].transpose(-1, -2) / math.sqrt(rank)  # E_m [M, *shape], formed
 
   def dense(self, dtype:DType) -> Tensor:  # every member's full weight [M, *shape], materialized once per forward
-    e = self.e if self.rank == 0 else self.e[0] @ self.e[1].transpose(-1, -2) / math.sqrt(self.rank)
-    return (self.w + self.c * e).cast(dtype).contiguous()
+    return (self.w + self.c * self.e).cast(dtype).contiguous()
 
   def linear(self, x:Tensor, dtype:DType, act:str|None=None) -> Tensor:  # act(x) @ W_m^T, member by member along the rows
     return linear(x, self.dense(dtype), act)
