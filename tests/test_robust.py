@@ -14,8 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
-# PARALLEL=0: tinygrad compiles in the process, instead of spawning a pool of compile workers (seconds of imports) for each run
-ENV = {**os.environ, "DEV": "CPU", "NOOPT": "1", "PYTHONUNBUFFERED": "1", "PARALLEL": "0"}
+ENV = {**os.environ, "DEV": "CPU", "PYTHONUNBUFFERED": "1"}  # NOOPT and PARALLEL from conftest.py
 RUN = ["--method", "mezo", "--pop", "2", "--model", "tiny", "--vocab", "64", "--seq", "16", "--batch", "2", "--eval-every", "100", "--seed", "0"]
 STEPS = 12
 KILL_AT = random.Random(5).randint(4, 10)  # kill -9 once metrics.jsonl has this many lines (8)

@@ -21,7 +21,7 @@ import zo
 CFG = GPTConfig(vocab=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
 B, T = 2, 16
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "DEV": "CPU", "NOOPT": "1"}
+ENV = {**os.environ, "DEV": "CPU"}  # NOOPT and PARALLEL from conftest.py
 # the CLI's training runs: the tiny preset at vocab 64, 2x16 tokens a step, mezo with 2 directions, a replay window of 4 steps (so
 # the window is full at the step-5 checkpoint and keeps sliding after the resume)
 RUN = {"method": "mezo", "pop": 2, "model": "tiny", "vocab": 64, "seq": T, "batch": B, "lr": 3e-3, "eval-every": 5, "ckpt-every": 5,
