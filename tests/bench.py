@@ -17,7 +17,8 @@ and one that captures the JITs), that time in clean forwards, the forwards its a
 member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards; backprop: 3, a
 forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes during the
 row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward is a
-TinyJit like every step, measured the same way.
+TinyJit like every step, measured the same way. Before the rows, the noise's rate: the generator alone against a MeZO/ES update made
+dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
 import argparse, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
-from kernels.noise import key
+from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import dust, zo
 
@@ -75,6 +76,21 @@ def forward_row(model, x:Tensor, y:Tensor, n:int) -> dict:
   tc, tj = timed(lambda: clean(x, y), 10 * n), timed(lambda: jittered(x, y, k), 10 * n)
   return {"clean_s": tc, "jittered_s": tj, "peak": peak}
 
+DIRECTIONS, WINDOW = 8, 64  # the noise row: an estimate of 8 directions, and a seed replay of 64 steps of them
+
+def noise_row(model, n:int) -> dict:
+  """Noise values a second: the generator alone, every parameter's Gaussian written once (D values); the SGD update of an estimate
+  of DIRECTIONS directions made dense from their keys (DIRECTIONS·D values); the same update with its momentum replayed from
+  WINDOW steps of seeds (WINDOW·DIRECTIONS·D values). Each a TinyJit, timed like the forward; the updates move the weights by 1e-12."""
+  params, k = model.params, key(1)
+  gen = TinyJit(lambda k: Tensor.realize(*[gaussian(fold(k, i), p.shape) for i, p in enumerate(params.values())]))
+  g = zo.Compact(fold(k, Tensor.arange(DIRECTIONS)).contiguous().realize(), Tensor.full((DIRECTIONS,), 1e-9).contiguous().realize())
+  dense, replay = (zo.Optimizer(params, {p: 1e-3 for p in params}, "sgd", 0.9, w) for w in (0, WINDOW))
+  for _ in range(2): gen(k); dense.step(g); replay.step(g)  # capture
+  D = model.num_params()
+  return {"gen": D / timed(lambda: gen(k), n), "dense": DIRECTIONS * D / timed(lambda: dense.step(g), n),
+          "replay": WINDOW * DIRECTIONS * D / timed(lambda: replay.step(g), n)}
+
 class ByKind:
   """Seconds of each kind of Dust chunk group in a step: dust.accumulate timed between device syncs (one device only). The step is
   an extra one, after the timed ones: at each sync the device idles while the host queues the next group. What the kinds leave out
@@ -122,6 +138,7 @@ def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
   name, *rest = spec.split(":")
   n = 1 if quick else 3
   if name == "forward": return forward_row(model, x, y, n)
+  if name == "noise": return noise_row(model, n)
   return step_row(model, x, y, name, int(rest[0]), int(rest[1]) if len(rest) > 1 else 0, n, devices)
 
 def run_row(preset:str, row:str, quick:bool, devices:int=1, cache:str|None=None, kernels:bool=True) -> dict:
@@ -166,6 +183,9 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
     ours = run_row(preset, "forward", args.quick, kernels=False)
     print(f"tinygrad's own kernels: clean {ours['clean_s'] * 1e3:.3f} ms, ratio {ours['clean_s'] / ours['jittered_s']:.3f} | "
           + torch_reference(model, x, y), flush=True)
+  v = run_row(preset, "noise", args.quick)
+  print(f"noise values/s: generator {v['gen']:.3g} | dense update of {DIRECTIONS} directions {v['dense']:.3g} ({v['dense'] / v['gen']:.2f}x) "
+        f"| seed replay of {WINDOW} steps of them {v['replay']:.3g} ({v['replay'] / v['gen']:.2f}x)", flush=True)
   print(f"{'method':>8} {'pop':>5} {'rank':>4} {'s/step':>9} {'fwd-equiv':>10} {'needs':>7} {'overhead':>8} {'peak MiB':>9} "
         f"{'x clean':>7} {'first s':>8}" + (f" {'warm s':>7}" if args.cold else ""), flush=True)
   out = []

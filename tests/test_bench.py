@@ -12,6 +12,9 @@ def test_bench_quick():
   out = r.stdout
   ratio = float(re.search(r"ratio ([\d.]+)", out).group(1))
   assert 0 < ratio < 2, out  # the jittered forward runs and takes about as long as a clean one
+  # the noise's rate: the generator alone, a dense update and a seed replay, each in noise values a second
+  rates = re.search(r"noise values/s: generator (\S+) \| dense update of 8 directions (\S+) .*\| seed replay of 64 steps of them (\S+) ", out)
+  assert rates and all(float(v) > 0 for v in rates.groups()), out
   # a row per method: seconds a step, forward-equivalents, the forwards it needs, overhead, peak, peak over the clean forward's, first step
   for method, pop, rank, needs in (("mezo", 1, "-", 2), ("es", 8, "-", 8), ("es", 8, "1", 8), ("backprop", 1, "-", 3)):
     cells = re.search(rf"^ *{method} +{pop} +{re.escape(rank)} +(.*)$", out, re.M).group(1).split()
