@@ -427,16 +427,17 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--method", default="dust", choices=METHODS, help="gradient estimator; backprop is the reference baseline")
   p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: directions (mezo), members (es), the recipe's "
                  "population (dust: 64, 256, 1024, 4096 or 16384 under SGD; a multiple of 256 under AdamW); several values only with --cosine")
-  p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"), help="default: tiny on CPU, small on a GPU")
-  p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
+  p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"), help="default: tiny on the CPU, small on a GPU")
+  p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (default: the preset's; on the CPU "
+                 "with --data synthetic, 32)")
   p.add_argument("--loops", type=int, default=None, help="loop count of the looped model (training depth)")
   p.add_argument("--eval-loops", type=int, default=None, help="loop count for evaluation (default: --loops)")
   p.add_argument("--data", default="synthetic", help="synthetic | synthetic:parity | synthetic:s5 | FILE.txt | FILE.bin | FILE.npy")
   p.add_argument("--tokenizer", default="bytes", help="for a .txt file: bytes (vocab 256), or bpe:N, a byte-level BPE of N tokens "
                  "trained on the text's training split (saved as OUT/tokenizer.json; the tokens are cached beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
-  p.add_argument("--tokens", type=int, default=500_000, help="training budget in tokens, when --steps is not given (the default: "
-                 "Dust pop 1024 takes the small model to within 0.1 nats of the synthetic data's floor)")
+  p.add_argument("--tokens", type=int, default=None, help="training budget in tokens, when --steps is not given (default: 500,000 on "
+                 "a GPU, 50,000 on the CPU: either takes Dust pop 1024 to within 0.1 nats of the synthetic data's floor)")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
   p.add_argument("--seq", type=int, default=None, help="training sequence length, at most the model's context (default: the context)")
   p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
@@ -494,11 +495,20 @@ def check_devices(args:argparse.Namespace):
     try: Device[d]
     except Exception as e: raise UsageError(f"--devices {n}: {d} does not open ({type(e).__name__}: {e})") from None
 
+def device_defaults(args, device:str):
+  """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU, where a Dust pop-1024
+  step of the tiny model took 52-58 s on 2 cores, mostly in the head, the tiny model, 50,000 tokens and a synthetic chain of 32
+  states, whose head is 1/8 of a 256-token vocab's and which Dust learns in ~100 steps (docs/performance.md: the CPU's default run)."""
+  cpu = device == "CPU"
+  args.model = args.model or ("tiny" if cpu else "small")
+  args.tokens = args.tokens or (50_000 if cpu else 500_000)
+  if cpu and args.data == "synthetic" and args.vocab is None: args.vocab = 32
+
 def main(argv:list[str]|None=None):
   from data import DataError
   args = parse(argv)
   try:
-    args.model = args.model or ("tiny" if default_device() == "CPU" else "small")
+    device_defaults(args, default_device())
     check_devices(args)
     sample(args) if args.sample else cosine_table(args) if args.cosine else train(args)
   except (UsageError, DataError, ValueError) as e:

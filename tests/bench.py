@@ -20,7 +20,7 @@ row (parameters and batch included) and that peak over the clean forward's, and 
 TinyJit like every step, measured the same way. Before the rows, the noise's rate: the generator alone against a MeZO/ES update made
 dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
-import argparse, importlib.util, json, os, subprocess, sys, tempfile, time
+import argparse, gc, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
@@ -46,6 +46,9 @@ QUICK = ["mezo:1", "es:8", "es:8:1", "dust:64", "backprop:1"]
 def sync(): Device[Device.DEFAULT].synchronize()
 
 def timed(fn, n:int) -> float:
+  # a full collection first: compiling and capturing leave many long-lived objects, and Python's first full collection of them
+  # (175 ms of host time on the H200's machine, small preset) otherwise lands in a timed step; a run pays it once, like the compile
+  gc.collect()
   sync()
   st = time.perf_counter()
   for _ in range(n): fn()

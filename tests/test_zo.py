@@ -368,6 +368,16 @@ def test_cli_help_and_bad_method():
   r = cli(method="sgd", steps=1)
   assert r.returncode == 2 and "invalid choice" in r.stderr, r.stderr
 
+def test_device_defaults():
+  # the default run of each kind of device (README), and a flag the user gives always wins: the CPU's 32 states only for the
+  # synthetic chain, since a text's bytes need a vocab of 256
+  def run(device:str, *argv:str) -> tuple:
+    zo.device_defaults(args := zo.parse(list(argv)), device)
+    return args.model, args.vocab, args.tokens
+  assert run("CPU") == ("tiny", 32, 50_000) and run("CUDA") == ("small", None, 500_000)
+  assert run("CPU", "--data", "t.txt") == ("tiny", None, 50_000) and run("CPU", "--vocab", "256", "--tokens", "7") == ("tiny", 256, 7)
+  assert run("METAL", "--model", "tiny") == ("tiny", None, 500_000)
+
 TYPES = ("mlp in", "mlp out", "attn out", "q", "k", "v", "gate", "ve", "wte", "head", "scalars")  # every layer type of the tiny GPT
 
 def test_cli_cosine_table(background):
