@@ -148,10 +148,11 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
                unit:int|None=None, **static) -> list[Tensor]:
   """Sum chunk(model, keys, *inputs, **static) over the draws' chunks, `tokens` tokens each: G chunks a call (keys [G, 2]; or with
   a `unit`, G runs of `unit` chunks, keys [G, unit, 2]), G the most that divide the runs and hold at most TOKENS tokens. It runs as one
-  TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture, the weights), so the next step's tensors
-  take the place of this step's and nothing is traced or compiled again. The sums are the group's own, kept across steps and zeroed
-  by its first call: allocating them at every group, by realizes that each walk every live tensor, had cost more host time
-  than a small model's draws. The JIT's scratch is freed after its group, so the update's ~60 JITs never hold it at the same time."""
+  TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture) or the model's weights, which the
+  optimizer updates in place, so the next step's tensors take the place of this step's and nothing is traced or compiled again. The
+  sums are the group's own, kept across steps and zeroed by its first call: allocating them at every group, by realizes that each
+  walk every live tensor, had cost more host time than a small model's draws. The JIT's scratch is freed after its group, so the
+  update's ~60 JITs never hold it at the same time."""
   n = len(draws.chunks) // (unit or 1)
   most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
   G = per_call(n, tokens, most)
@@ -189,19 +190,19 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
-  stream, params = model.rerun_inputs(rec, sites) if rerun == "block" else ({}, model.params)
-  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream, params,
+  stream = model.rerun_stream(rec, sites) if rerun == "block" else {}
+  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream,
                  sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
   return {recorded(model, sites[j], d): e / (nrep * len(draws.chunks)) for (j, d, _), e in zip(outs, E)}
 
-def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], params:dict[str, Tensor], sites:tuple[str, ...],
+def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], sites:tuple[str, ...],
                  sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float) -> list[Tensor]:
   """G chunks of `direct` in one pass (k: their keys [G, 2]), nrep draws each, one per copy of the batch; outs lists (site index,
   depth, width) of the estimates."""
   B, T, G = *y.shape[:2], k.shape[0]
   ks = [fold(k, i) for i in range(len(sites))]
-  loss = model.losses(tile(x, G * nrep), tile(y, G * nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)}, stream if rerun == "block" else None,
-                      params).reshape(G, nrep, B, T)
+  loss = model.losses(tile(x, G * nrep), tile(y, G * nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)},
+                      stream if rerun == "block" else None).reshape(G, nrep, B, T)
   # r_i - mean_j r_j over the chunk's draws, with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
   reward = loss.mean(1, keepdim=True) - loss
   if gamma: reward = reward_to_go(reward, gamma)
@@ -356,13 +357,14 @@ def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:st
 def scalar_es(model, x:Tensor, y:Tensor, sigma:float, draws:Draws) -> dict[str, Tensor]:
   """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
   L = model.params[SCALARS[0]].shape[0]
-  E = accumulate(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, model.params, sigma=sigma)
+  E = accumulate(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, sigma=sigma)
   return {n: e / len(draws.chunks) for n, e in zip(SCALARS, E)}
 
 SCALARS = ("resid_lambdas", "x0_lambdas")
-def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, params:dict[str, Tensor], sigma:float) -> list[Tensor]:
+def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, sigma:float) -> list[Tensor]:
   """G draws (k: their keys [G, 2]) as G members of one forward per sign, each member with its own scalars [G, L]."""
-  L, G = params[SCALARS[0]].shape[0], k.shape[0]
+  params, G = model.params, k.shape[0]
+  L = params[SCALARS[0]].shape[0]
   a = gaussian(fold(k, 0), (2 * L,))
   def loss(sign:int) -> Tensor:
     moved = {n: (params[n] + sign * sigma * a[:, i * L:(i + 1) * L]).contiguous() for i, n in enumerate(SCALARS)}  # not re-hashed per use
@@ -384,10 +386,10 @@ def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, T
   estimate (step() also returns the clean mean loss)."""
   return step(model, x, y, pop, key, **opts)[0]
 
-def clean_capture(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+def clean_capture(model, x:Tensor, y:Tensor) -> tuple[Tensor, dict[str, Tensor]]:
   """model.capture without the embeddings' inputs, which are the batch x itself: a JIT returns the tensors of the call it captured,
   so at every replay those entries would hold that call's batch."""
-  loss, rec = model.capture(x, y, params)
+  loss, rec = model.capture(x, y)
   return loss, {n: t for n, t in rec.items() if t is not x}
 
 def embeddings(model) -> list[str]:  # the sites whose input is the batch of token ids
@@ -399,7 +401,7 @@ class Worker:
   def __init__(self, model, x:Tensor, y:Tensor, key:Tensor):
     self.model, self.x, self.y, self.key = model, x, y, key
     self.capture = jitted(clean_capture, model, x.shape)  # a JIT: eagerly, its graph cost more host time than its kernels take
-    self.loss, rec = self.capture(x, y, model.params)
+    self.loss, rec = self.capture(x, y)
     self.rec = rec | {f"{site}:in": x for site in embeddings(model)}
     self.attn:CleanAttention|None = None  # the depth that the local draws are at
     self.targets:dict[int, Tensor] = {}   # the hub errors, the local draws' targets, on this device

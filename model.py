@@ -171,16 +171,12 @@ class GPT:
     Tensor.realize(loss, *[t for t in rec.values() if t is not None])
     return loss, rec
 
-  def rerun_inputs(self, rec:dict[str, Tensor], sites:Iterable[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """What a pass that jitters `sites` and starts from the capture `rec` reads: (the capture's entries at its first block that `get`
-    below reads, the parameters from that block on). A JIT takes every tensor it is given as an input and prepares each at every
-    call: a Dust chunk at the last block reads 4 of the 25 entries and 11 of the 60 weights, and a pop-1024 update's host time fell
-    ~13% with these (1.7-2.1 -> 1.5-1.9 s a step on tinygrad's NULL device, a 2-core machine; the H200 itself ran no faster)."""
+  def rerun_stream(self, rec:dict[str, Tensor], sites:Iterable[str]) -> dict[str, Tensor]:
+    """The capture's entries at the first block that a pass jittering `sites` reruns, which `get` below reads: a JIT prepares
+    every tensor it is given at every call, so a Dust chunk at the last block takes 4 of the 25 entries, not all of them. The
+    weights are no input at all: the chunk JITs read them from the model, where the optimizer updates them in place."""
     start, _ = self.entry(sites)
-    if start == -1: return {}, self.params
-    stream = {n: rec[n] for n in ("x0", f"x.{start}", f"h.{start}", f"o@{start}") if n in rec and n != "x.0"}  # x.0 is x0 itself
-    return stream, {n: p for n, p in self.params.items() if (b := block_of(n)) is not None and b >= start or
-                    b is None and n != "transformer.wte.weight"}
+    return {} if start == -1 else {n: rec[n] for n in ("x0", f"x.{start}", f"h.{start}", f"o@{start}") if n in rec and n != "x.0"}  # x.0 is x0
 
   def _forward(self, idx:Tensor, targets:Tensor, p:Pass, cache:dict|None) -> Tensor:
     start, skip_attn = self.entry(p.jitter) if cache is not None else (0, False)

@@ -298,7 +298,7 @@ def test_local_draws_hold_one_score_matrix():
 class Linear:
   """y_t = W x_t with the per-token loss |y_t - target_t|^2 / 2: a one-site model with the interface dust.direct drives."""
   def __init__(self, W:Tensor): self.params = {"w.weight": W}
-  def rerun_inputs(self, rec:dict, sites) -> tuple[dict, dict]: return {}, self.params  # nothing upstream of the one site to resume from
+  def rerun_stream(self, rec:dict, sites) -> dict: return {}  # nothing upstream of the one site to resume from
   def losses(self, x:Tensor, target:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None) -> Tensor:
     out = x @ (params or self.params)["w.weight"].T
     if jitter and "w" in jitter: out = out + jitter["w"][1] * runs(jitter["w"][0], out.shape)  # as model.Pass.site
