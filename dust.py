@@ -124,6 +124,7 @@ GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
 # bound at each JIT call: kernel arguments, not constants, so that every group and block runs the same compiled kernels (as
 # constants they made each (group, block) compile its own: 224 s of compiling for a tiny model's first pop-64 step on 2 CPU cores)
 GROUP, BLOCK, CHUNK, FIRST = Variable("group", 0, len(GROUPS)), Variable("block", 0, 1 << 16), Variable("chunk", 0, 1 << 24), Variable("first", 0, 1)
+DRAWS = Variable("draws", 1, 1 << 24)  # the draws each output of a group receives, which its mean divides by
 
 @dataclass(frozen=True)
 class Draws:
@@ -146,13 +147,15 @@ CPU_TOKENS = 0
 _sums:dict[tuple[int, int, int], list[Tensor]] = {}
 def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
                unit:int|None=None, **static) -> list[Tensor]:
-  """Sum chunk(model, keys, *inputs, **static) over the draws' chunks, `tokens` tokens each: G chunks a call (keys [G, 2]; or with
+  """The mean per draw of chunk(model, keys, *inputs, **static) over the draws' chunks, `tokens` tokens and `nrep` draws each (one
+  without an nrep): the chunks' sums, each divided by the draws in all as it is added. G chunks a call (keys [G, 2]; or with
   a `unit`, G runs of `unit` chunks, keys [G, unit, 2]), G the most that divide the runs and hold at most TOKENS tokens. It runs as one
   TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture) or the model's weights, which the
   optimizer updates in place, so the next step's tensors take the place of this step's and nothing is traced or compiled again. The
   sums are the group's own, kept across steps and zeroed by its first call: allocating them at every group, by realizes that each
   walk every live tensor, had cost more host time than a small model's draws. The JIT's scratch is freed after its group, so the
-  update's ~60 JITs never hold it at the same time."""
+  update's ~60 JITs never hold it at the same time. The means are those buffers, not a lazy division of them: the reassembly's JIT
+  would have to realize ~45 divisions first, 40 ms of a small-preset pop-256 update's 200 ms of host time (NULL device)."""
   n = len(draws.chunks) // (unit or 1)
   most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
   G = per_call(n, tokens, most)
@@ -161,16 +164,19 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
     _sums[k] = [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes]
   sums = _sums[k]
   where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
-  for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), *inputs, sums)
+  total = DRAWS.bind(static.get("nrep", 1) * n)
+  for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), total, *inputs, sums)
   release(jit)
   return sums
 
-def summed(model, key:Tensor, group:UOp, block:UOp, c:UOp, first:UOp, *a, chunk:Callable[..., list[Tensor]], G:int, unit:int|None,
+def summed(model, key:Tensor, group:UOp, block:UOp, c:UOp, first:UOp, total:UOp, *a, chunk:Callable[..., list[Tensor]], G:int, unit:int|None,
            **static):
   *a, acc = a
   ks = fold(key, Tensor(group), Tensor(block), Tensor(c).cast(dtypes.uint32) + Tensor.arange(G * (unit or 1), dtype=dtypes.uint32))
   keep = Tensor(first).cast(dtypes.bool).logical_not()  # where(): the last step's sums are never multiplied, so nothing of them stays
-  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d) for s, d in zip(acc, chunk(model, ks if unit is None else ks.reshape(G, unit, 2), *a, **static))])
+  share = 1.0 / Tensor(total).float()
+  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d * share) for s, d in zip(acc, chunk(model, ks if unit is None else ks.reshape(G, unit, 2), *a,
+                                                                                          **static))])
 
 def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
 
@@ -193,7 +199,7 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   stream = model.rerun_stream(rec, sites) if rerun == "block" else {}
   E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream,
                  sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
-  return {recorded(model, sites[j], d): e / (nrep * len(draws.chunks)) for (j, d, _), e in zip(outs, E)}
+  return {recorded(model, sites[j], d): e for (j, d, _), e in zip(outs, E)}
 
 def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], sites:tuple[str, ...],
                  sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float) -> list[Tensor]:
@@ -232,7 +238,7 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, draws:Draws,
   Tensor.realize(*clean.values())
   # a cycle over the slabs at least a call: the head's chunks are too short for one each
   (E,) = accumulate(head_chunk, model, [(B, T, S, W)], draws, S * nrep * B * T, clean, y, unit=S, sigma=sigma, nrep=nrep)
-  return E.reshape(B, T, V) / (nrep * len(draws.chunks) // S)  # the draws each slab received
+  return E.reshape(B, T, V)
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
 
@@ -338,9 +344,8 @@ def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:
   """Score each draw by <target_s, delta o_s> per head, a first-order stand-in for the loss increase (so no minus sign and no
   centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
   B, T, H, hd = att.t["q"].shape
-  (E,) = accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t,
-                    target.realize(), kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)
-  return E / (nrep * len(draws.chunks))
+  return accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t, target.realize(),
+                    kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)[0]
 
 def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int) -> list[Tensor]:
   """G chunks of `local_error` (k: their keys [G, 2]), n = G nrep draws in all, one per copy of the batch."""
@@ -358,7 +363,7 @@ def scalar_es(model, x:Tensor, y:Tensor, sigma:float, draws:Draws) -> dict[str, 
   """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
   L = model.params[SCALARS[0]].shape[0]
   E = accumulate(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, sigma=sigma)
-  return {n: e / len(draws.chunks) for n, e in zip(SCALARS, E)}
+  return dict(zip(SCALARS, E))
 
 SCALARS = ("resid_lambdas", "x0_lambdas")
 def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, sigma:float) -> list[Tensor]:
