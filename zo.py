@@ -437,7 +437,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "trained on the text's training split (saved as OUT/tokenizer.json; the tokens are cached beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
   p.add_argument("--tokens", type=int, default=None, help="training budget in tokens, when --steps is not given (default: 500,000 on "
-                 "a GPU, 50,000 on the CPU: either takes Dust pop 1024 to within 0.1 nats of the synthetic data's floor)")
+                 "a GPU, 50,000 on the CPU: either takes Dust pop 1024 to about 0.1 nats above the synthetic data's floor)")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
   p.add_argument("--seq", type=int, default=None, help="training sequence length, at most the model's context (default: the context)")
   p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
@@ -501,7 +501,7 @@ def device_defaults(args, device:str):
   states, whose head is 1/8 of a 256-token vocab's and which Dust learns in ~100 steps (docs/performance.md: the CPU's default run)."""
   cpu = device == "CPU"
   args.model = args.model or ("tiny" if cpu else "small")
-  args.tokens = args.tokens or (50_000 if cpu else 500_000)
+  if args.tokens is None: args.tokens = 50_000 if cpu else 500_000
   if cpu and args.data == "synthetic" and args.vocab is None: args.vocab = 32
 
 def main(argv:list[str]|None=None):
