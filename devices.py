@@ -58,4 +58,5 @@ def spread(model:GPT, n:int, total:int, run:Callable[..., Tensor], *ts:Tensor) -
   where the backend runs kernels asynchronously (a GPU; tinygrad's CPU runs each kernel in the calling thread)."""
   reps = replicas(model, n)
   ins = [inputs(m, *ts) for m in reps]
-  return Tensor.cat(*[run(m, js, *i).to(device(model)) for m, js, i in zip(reps, shares(total, n), ins)])
+  parts = [run(m, js, *i).to(device(model)) for m, js, i in zip(reps, shares(total, n), ins)]
+  return parts[0] if n == 1 else Tensor.cat(*parts)  # one part is the result itself, not a lazy copy of it

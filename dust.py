@@ -24,7 +24,7 @@ from kernels import flash
 from kernels.noise import key as root_key, fold, gaussian, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
-from model import GPTConfig, jitted, per_call, release, softcap
+from model import GPTConfig, allocated, jitted, per_call, release, softcap
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §3.14, §4.1) *****
 
@@ -491,13 +491,6 @@ def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[st
                                                                                           out, mean)
   for w in u.work: release(w.capture)
   return out, mean
-
-def allocated(*shape:int, device:str) -> Tensor:
-  """An empty float32 tensor with its memory: a JIT that assigns into a Tensor.empty it is handed leaves the result in memory that
-  the next allocation reuses (tinygrad 0.14: the estimates came out as garbage)."""
-  t = Tensor.empty(*shape, device=device)
-  t.uop.buffer.ensure_allocated()
-  return t
 
 def distinct(ts:list[Tensor]) -> tuple[list[Tensor], tuple[int, ...]]:
   """A JIT's inputs must be distinct buffers: each tensor once (the embeddings share the batch), and a view into a buffer that is

@@ -293,6 +293,13 @@ def jitted(fn:Callable, owner, *shape, **static) -> TinyJit:
     _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
   return _jits[k]
 
+def allocated(*shape:int, dtype=dtypes.float32, device:str) -> Tensor:
+  """An empty tensor with its memory, for a JIT to assign into: a JIT that assigns into a bare Tensor.empty it is handed leaves the
+  result in memory that the next allocation reuses (tinygrad 0.14: the estimates came out as garbage)."""
+  t = Tensor.empty(*shape, dtype=dtype, device=device)
+  t.uop.buffer.ensure_allocated()
+  return t
+
 def apart(fn:Callable, *a, **kw):
   """fn(*a, **kw) and its results realized, with the lazy tensors that exist now out of tinygrad's sight. Realizing rewrites every
   live tensor that shares the realized nodes to read their new buffers, and UOps are hash-consed: a user's lazy forward on the same

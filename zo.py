@@ -13,10 +13,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
-from tinygrad import Context, Tensor, dtypes, nn
+from tinygrad import Context, Tensor, Variable, dtypes, nn
+from tinygrad.uop.ops import UOp
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
-from model import jitted, per_call, release
+from model import allocated, jitted, per_call, release
 from data import BPE, Bytes
 from devices import names, spread
 import dust
@@ -40,37 +41,38 @@ class Compact:
 # member a forward there, where more would only add memory, and 8 at the small preset's 8 x 256, where one alone underfills the GPU.
 TOKENS = 16384
 
-def pair_losses(model, x:Tensor, y:Tensor, start:Tensor, key:Tensor, c:int, scale:float, rank:int) -> Tensor:
-  """[c, 2]: the mean loss at θ + scale E_j and at θ - scale E_j for the c antithetic pairs j = start .. start + c - 1, whose directions
-  come from fold(key, j) (start a uint32 tensor: a new chunk is a new input, not a new kernel). The pairs are members on the batch
-  axis, one forward per sign, each realized apart: the memory planner gives the second forward the first one's buffers, so a chunk
-  holds one sign's activations. θ itself is never touched, so nothing drifts."""
-  keys = fold(key, start + Tensor.arange(c, dtype=dtypes.uint32))
+# bound at each call of a population forward's JIT: its first pair (whose direction is fold(key, start)) and the chunk's place in the
+# losses. Kernel arguments, not uploads: uploading a chunk's start and copying out its losses cost ~2 ms of host time a chunk, more
+# than MeZO pop 1's two forwards at the small preset (NULL device).
+START, CHUNK = Variable("start", 0, 1 << 24), Variable("pair_chunk", 0, 1 << 24)
+
+def pair_losses(model, x:Tensor, y:Tensor, key:Tensor, start:UOp, at:UOp, losses:Tensor, c:int, scale:float, rank:int):
+  """losses[at] <- [c, 2]: the mean loss at θ + scale E_j and at θ - scale E_j for the c antithetic pairs j = start .. start + c - 1,
+  whose directions come from fold(key, j). The pairs are members on the batch axis, one forward per sign, each realized apart: the
+  memory planner gives the second forward the first one's buffers, so a chunk holds one sign's activations. θ itself is never
+  touched, so nothing drifts."""
+  keys = fold(key, Tensor(start).cast(dtypes.uint32) + Tensor.arange(c, dtype=dtypes.uint32))
   def loss(sign:int) -> Tensor:
     params = {n: Population(p, fold(keys, i), sign * scale, rank) for i, (n, p) in enumerate(model.params.items())}
     return model.losses(x.repeat(c, 1), y.repeat(c, 1), params=params).reshape(c, -1).mean(1)
   plus = loss(1).realize()
-  return Tensor.stack(plus, loss(-1), dim=1).realize()
+  here = (Tensor.arange(losses.shape[0] // c) == Tensor(at)).reshape(-1, 1, 1)
+  losses.assign(here.where(Tensor.stack(plus, loss(-1), dim=1).unsqueeze(0), losses.reshape(-1, c, 2)).reshape(-1, 2)).realize()
 
 def chunk(pairs:int, tokens:int) -> int:
   """Pairs per forward: at most TOKENS tokens together."""
   return per_call(pairs, tokens, TOKENS)
 
 def population(model, x:Tensor, y:Tensor, key:Tensor, pairs:int, scale:float, rank:int, devices:int) -> Tensor:
-  """[pairs, 2]: pair_losses for the pairs 0 .. pairs-1, chunk by chunk, spread over devices. Pair j's direction depends on j alone,
-  so the losses, and the estimate, are the same whatever the chunks and devices."""
+  """[pairs, 2]: pair_losses for the pairs 0 .. pairs-1, chunk by chunk, spread over devices, in a buffer of this call's own. Pair j's
+  direction depends on j alone, so the losses, and the estimate, are the same whatever the chunks and devices."""
   def run(m, js:range, x:Tensor, y:Tensor, k:Tensor) -> Tensor:  # the losses of pairs js, on the device itself
     c = chunk(len(js), x.numel())
-    jit = jitted(pair_losses, m, x.shape, c=c, scale=scale, rank=rank)
-    starts = [Tensor([j], dtype=dtypes.uint32, device=k.device) for j in range(js.start, js.stop, c)]
-    Tensor.realize(*starts)  # uploaded at once: each realize walks all live tensors
-    return Tensor.cat(*[jit(x, y, s, k).clone().realize() for s in starts])  # copied out: the next replay writes the same buffer
+    losses = allocated(len(js), 2, device=k.device)
+    jit = jitted(pair_losses, m, x.shape, losses.shape, c=c, scale=scale, rank=rank)
+    for i, j in enumerate(range(js.start, js.stop, c)): jit(x, y, k, START.bind(j), CHUNK.bind(i), losses)
+    return losses
   return spread(model, devices, pairs, run, x, y, key)
-
-def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
-  """SPSA along pop directions z_k: the pairs θ ± εz_k of the population forward, g = sum_k (L+ - L-) / (2ε pop) z_k."""
-  l = population(model, x, y, key, pop, eps, 0, devices)
-  return Compact(fold(key, Tensor.arange(pop)).contiguous().realize(), (l[:, 0] - l[:, 1]) / (2 * eps * pop)), l.mean()
 
 def shape_fitness(f:Tensor, shaping:str) -> Tensor:
   """rank: centered ranks in [-0.5, 0.5] (invariant to the loss's scale, robust to outliers); zscore; none: raw fitness."""
@@ -79,15 +81,32 @@ def shape_fitness(f:Tensor, shaping:str) -> Tensor:
   if shaping == "rank": return (f.unsqueeze(0) < f.unsqueeze(1)).sum(1).float() / (f.shape[0] - 1) - 0.5
   raise ValueError(f"unknown shaping {shaping!r}: use rank, zscore or none")
 
+def coefficients(model, key:Tensor, l:Tensor, keys:Tensor, coef:Tensor, mean:Tensor, shaping:str, scale:float):
+  """keys_j = fold(key, j) and coef_j = -(f̃_j+ - f̃_j-) / (2 pairs scale), the shaped fitness f = -L of the pairs' losses l [pairs, 2],
+  and the mean loss, into the caller's buffers. Unshaped, coef_j = (L_j+ - L_j-) / (2 pairs scale): SPSA's."""
+  f = shape_fitness(-l.reshape(-1), shaping).reshape(-1, 2)
+  Tensor.realize(keys.assign(fold(key, Tensor.arange(l.shape[0]))), coef.assign(-(f[:, 0] - f[:, 1]) / (2 * l.shape[0] * scale)),
+                 mean.assign(l.mean()))
+
+def compact(model, key:Tensor, l:Tensor, shaping:str, scale:float, rank:int) -> tuple[Compact, Tensor]:
+  """The estimate of these losses as (Compact, mean loss), made by one JIT into buffers of its own, so it is the caller's to keep:
+  eagerly, folding the keys and the coefficients had cost ~5 ms of host time (NULL device), more than a small model's forwards."""
+  dev, pairs = key.device, l.shape[0]
+  keys, coef, mean = allocated(pairs, 2, dtype=dtypes.uint32, device=dev), allocated(pairs, device=dev), allocated(device=dev)
+  jitted(coefficients, model, l.shape, shaping=shaping, scale=scale)(key, l, keys, coef, mean)
+  return Compact(keys, coef, rank), mean
+
+def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
+  """SPSA along pop directions z_k: the pairs θ ± εz_k of the population forward, g = sum_k (L+ - L-) / (2ε pop) z_k."""
+  return compact(model, key, population(model, x, y, key, pop, eps, 0, devices), "none", eps, 0)
+
 def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0,
        devices:int=1) -> tuple[Compact, Tensor]:
   """g = -1/(pop σ) sum_m f̃_m s_m E_m with fitness f = -L: pair j (members 2j, 2j+1 at θ ± σE_j) contributes (f̃_2j - f̃_2j+1) E_j.
   Unshaped, this is the antithetic estimate sum_j (L+ - L-)/(2σ pairs) E_j of the gradient of the Gaussian-smoothed loss. The
   population is evaluated in chunks (`population`); the fitness is shaped over all of it, on the model's device."""
   if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
-  l = population(model, x, y, key, pop // 2, sigma, rank, devices)
-  f = shape_fitness(-l.reshape(-1), shaping).reshape(-1, 2)
-  return Compact(fold(key, Tensor.arange(pop // 2)).contiguous().realize(), -(f[:, 0] - f[:, 1]) / (pop * sigma), rank), l.mean()
+  return compact(model, key, population(model, x, y, key, pop // 2, sigma, rank, devices), shaping, sigma, rank)
 
 def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
   with Context(CUDA_KERNELS=0): loss = model.losses(x, y, params=params).mean()  # kernels/cuda.py's kernels have no gradient
@@ -142,6 +161,7 @@ class Optimizer:
     self.keys:Tensor|None = None  # [W, N, 2] newest first
     self.coef:Tensor|None = None  # [W, N]
     self.scale = 1.0  # the lr schedule's factor
+    self._scale:tuple[float, Tensor|None] = (math.nan, None)  # the last factor uploaded
     def make(ps:list[Tensor], lr:float):
       if kind == "sgd": return nn.optim.SGD(ps, lr=lr, momentum=momentum)
       return nn.optim.AdamW(ps, lr=lr, b1=momentum, b2=0.95, eps=1e-8, weight_decay=0.0)
@@ -149,7 +169,9 @@ class Optimizer:
     Tensor.realize(*[t for o, _ in self.opts for t in nn.state.get_parameters(o)])  # the state the update's JIT assigns: real before it
 
   def step(self, g:Compact|dict[str, Tensor]):
-    scale = Tensor([self.scale])  # a tensor, not a Python float: a new lr is new data, not a new kernel
+    if self._scale[0] != self.scale:  # a tensor, not a Python float: a new lr is new data, not a new kernel; uploaded when it changes
+      self._scale = (self.scale, Tensor([self.scale]).realize())
+    scale = self._scale[1]
     if not isinstance(g, Compact): return jitted(update, self)(g, scale)
     if not (self.W and self.kind == "sgd"): return jitted(dense_update, self, g.keys.shape, rank=g.rank)(g.keys, g.coef, scale)
     if self.keys is None:

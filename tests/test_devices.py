@@ -65,15 +65,16 @@ def test_each_device_draws_its_own_keys(batch, monkeypatch, method:str, pop:int)
   # disjoint and together all of them: a split that gives each device draws 0..n-1, or runs everything on CPU, fails here
   seen:dict[str, list[int]] = {}
   def spy(fn):
-    def wrapped(m, x, y, start, k, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
-      assert devices.device(m) == x.device == start.device == k.device and all(p.device == x.device for p in m.params.values())
-      return fn(m, x, y, start, k, *a, **kw)
+    def wrapped(m, x, y, k, start, at, losses, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
+      assert devices.device(m) == x.device == k.device == losses.device and all(p.device == x.device for p in m.params.values())
+      return fn(m, x, y, k, start, at, losses, *a, **kw)
     return wrapped
   def recorded(fn, m, *shape, **static):  # every call of the JIT, replays too: the pairs (start .. start + c - 1) each device gets
     jit = jitted(fn, m, *shape, **static)
-    def call(x, y, start, k):
-      seen.setdefault(x.device, []).extend(range(int(start.item()), int(start.item()) + static["c"]))
-      return jit(x, y, start, k)
+    if "c" not in static: return jit  # the coefficients' JIT
+    def call(x, y, k, start, *rest):
+      seen.setdefault(x.device, []).extend(range(start.unbind()[1], start.unbind()[1] + static["c"]))
+      return jit(x, y, k, start, *rest)
     return call
   monkeypatch.setattr(zo, "pair_losses", spy(zo.pair_losses))
   monkeypatch.setattr(zo, "jitted", recorded)
