@@ -153,9 +153,10 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture) or the model's weights, which the
   optimizer updates in place, so the next step's tensors take the place of this step's and nothing is traced or compiled again. The
   sums are the group's own, kept across steps and zeroed by its first call: allocating them at every group, by realizes that each
-  walk every live tensor, had cost more host time than a small model's draws. The JIT's scratch is freed after its group, so the
-  update's ~60 JITs never hold it at the same time. The means are those buffers, not a lazy division of them: the reassembly's JIT
-  would have to realize ~45 divisions first, 40 ms of a small-preset pop-256 update's 200 ms of host time (NULL device)."""
+  walk every live tensor, had cost more host time than a small model's draws. Its scratch is the arena that every JIT shares
+  (model.Scratch), so the update's ~45 JITs hold one JIT's scratch at a time. The means are those buffers, not a lazy division of
+  them: the reassembly's JIT would have to realize ~45 divisions first, 40 ms of a small-preset pop-256 update's 200 ms of host time
+  (NULL device)."""
   n = len(draws.chunks) // (unit or 1)
   most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
   G = per_call(n, tokens, most)
@@ -166,7 +167,6 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
   total = DRAWS.bind(static.get("nrep", 1) * n)
   for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), total, *inputs, sums)
-  release(jit)
   return sums
 
 def summed(model, key:Tensor, group:UOp, block:UOp, c:UOp, first:UOp, total:UOp, *a, chunk:Callable[..., list[Tensor]], G:int, unit:int|None,

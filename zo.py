@@ -17,7 +17,7 @@ from tinygrad import Context, Tensor, Variable, dtypes, nn
 from tinygrad.uop.ops import UOp
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
-from model import allocated, jitted, per_call, release
+from model import allocated, jitted, per_call
 from data import BPE, Bytes
 from devices import names, spread
 import dust
@@ -244,13 +244,12 @@ def resume(out:str, model, opt:Optimizer) -> int:
 def mean_loss(model, x:Tensor, y:Tensor, **kw) -> Tensor: return model.losses(x, y, **kw).mean().realize()
 
 def val_loss(model, data, args, batches:int=4) -> float:
-  """The mean loss over the first validation batches, as a JIT whose memory is freed after: an eager forward keeps every
-  materialized activation until its schedule ends (the dust preset at 8x2048 tokens: 5.3 GiB eagerly, 0.4 GiB in a JIT)."""
+  """The mean loss over the first validation batches, as a JIT, whose memory plan lives in the arena every JIT shares (model.Scratch):
+  an eager forward keeps every materialized activation until its schedule ends (the dust preset at 8x2048 tokens: 5.3 GiB eagerly,
+  0.4 GiB in a JIT)."""
   kw = {"loops": args.eval_loops} if args.model == "looped" and args.eval_loops else {}
   jit = jitted(mean_loss, model, (args.batch, args.seq), **kw)  # every batch is [batch, seq]
-  losses = [jit(*map(Tensor, data.batch("val", i, args.batch, args.seq))).item() for i in range(batches)]
-  release(jit)
-  return float(np.mean(losses))
+  return float(np.mean([jit(*map(Tensor, data.batch("val", i, args.batch, args.seq))).item() for i in range(batches)]))
 
 def compute_dtype():  # half precision (float32 accumulation, float32 master weights) on accelerators; float32 on the CPU
   from tinygrad import Device

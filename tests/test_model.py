@@ -283,3 +283,28 @@ def test_looped_capture(looped):
   full = loss_np(m.losses(x, y, j))
   assert np.abs(full - loss_np(l)).max() > 1e-5
   np.testing.assert_allclose(loss_np(m.losses(x, y, j, cache=cache)), full, atol=1e-6)
+
+# ***** JITs sharing one arena (model.Scratch) *****
+
+def _doubled(owner, x:Tensor) -> Tensor: return ((x + 1).contiguous() * 2).contiguous().sum(1)
+def _mixed(owner, x:Tensor) -> Tensor: return ((x * 3).contiguous().exp().contiguous() + (x - 1).contiguous()).max(0)
+
+def test_jits_share_one_arena():
+  """Two JITs with intermediates of different sizes, called in turn on new inputs: each result stays right (an output or an input
+  in the shared arena would be overwritten by the other JIT's scratch), and their plans are views of one arena per device, as large
+  as the larger plan, not the sum."""
+  from model import SCRATCH, jitted
+  rng = np.random.default_rng(0)
+  f, g = jitted(_doubled, None, (64, 256)), jitted(_mixed, None, (128, 512))
+  for _ in range(4):
+    a, b = rng.standard_normal((64, 256)).astype(np.float32), rng.standard_normal((128, 512)).astype(np.float32)
+    fa = f(Tensor(a))
+    gb = g(Tensor(b)).numpy()  # g's scratch is written after f's output
+    np.testing.assert_allclose(fa.numpy(), ((a + 1) * 2).sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(gb, (np.exp(3 * b) + b - 1).max(0), rtol=1e-5)
+  mine = [offs for j in (f, g) for c, offs in SCRATCH.users if c is j.captured]
+  assert len(mine) == 2 and all(len(o) == 1 for o in mine)
+  (fu, _), (gu, _) = mine[0][0], mine[1][0]
+  base = SCRATCH.base[fu.device]
+  assert fu.buffer.base is base and gu.buffer.base is base
+  assert base.nbytes == max(off + u.nbytes() for _, offs in SCRATCH.users for u, off in offs if u.device == fu.device) < fu.nbytes() + gu.nbytes()
