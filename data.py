@@ -1,13 +1,13 @@
 """Data sources: a spec string -> a Source whose batch(split, i, B, T) is a pure function of (seed, split, i, B, T). A tokenizer
 turns a .txt file into token ids: its UTF-8 bytes, or a byte-level BPE whose tokenization is cached beside the text."""
 from __future__ import annotations
-import hashlib, io, itertools, os, sys
+import functools, hashlib, io, itertools, os, pathlib, sys, sysconfig
 import numpy as np
 import tokenizers
 
 SPLITS = {"train": 0, "val": 1}
 BIN_MAGIC, BIN_HEADER = 20240520, 4 * 256  # llm.c / modded-nanogpt shard: 256 int32 header (magic, version, n), then n uint16 tokens
-FORMS = "synthetic, synthetic:parity, synthetic:s5, or a path ending in .txt, .bin or .npy"
+FORMS = "synthetic, synthetic:parity, synthetic:s5, stdlib, or a path ending in .txt, .bin or .npy"
 
 class DataError(Exception): pass
 
@@ -77,16 +77,27 @@ class S5(Source):
     return x, y
 
 class Tokens(Source):
-  """A token stream whose last 10% is val. A row is a window of T+1 tokens at a random offset inside the split."""
+  """A token stream whose last 10% is val, read without replacement: each epoch cuts a split into windows of T+1 tokens, from an
+  offset drawn for the epoch, and visits them all once in a seeded random order. So no token is read twice before the whole split
+  has been, and a later epoch's windows start elsewhere."""
   def __init__(self, name:str, vocab:int, ids:np.ndarray, seed:int):
     super().__init__(name, vocab, None, seed)
     n = len(ids) - len(ids) // 10
     self.parts = {"train": ids[:n], "val": ids[n:]}
 
-  def sample(self, rng:np.random.Generator, split:str, B:int, T:int) -> tuple[np.ndarray, np.ndarray]:
-    part = self.parts[split]
-    row = part[rng.integers(0, len(part) - T, B)[:, None] + np.arange(T + 1)]
-    return row[:, :-1], row[:, 1:]
+  def batch(self, split:str, i:int, B:int, T:int) -> tuple[np.ndarray, np.ndarray]:
+    W = len(self.parts[split]) // (T + 1)  # windows an epoch
+    rows = np.arange(i * B, (i + 1) * B)
+    starts = np.concatenate([self.epoch(split, int(e), T)[rows[rows // W == e] % W] for e in np.unique(rows // W)])
+    row = self.parts[split][starts[:, None] + np.arange(T + 1)]
+    return row[:, :-1].astype(np.int32), row[:, 1:].astype(np.int32)
+
+  @functools.lru_cache(maxsize=4)
+  def epoch(self, split:str, e:int, T:int) -> np.ndarray:
+    """The window starts of epoch e, in the order it reads them: a pure function of (seed, split, e, T)."""
+    part, rng = self.parts[split], np.random.default_rng((self.seed, SPLITS[split], e))
+    W = len(part) // (T + 1)
+    return rng.integers(0, len(part) - W * (T + 1) + 1) + rng.permutation(W) * (T + 1)
 
 # ***** tokenizers: text <-> token ids *****
 
@@ -197,6 +208,17 @@ def encoded(path:str, data:bytes, tok:BPE) -> np.ndarray:
   except OSError as e: print(f"data: can't write the token cache {cache} ({e.strerror}): the text is tokenized at every run", file=sys.stderr)
   return ids
 
+SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+def stdlib() -> tuple[bytes, str]:
+  """The .py files of this Python's standard library, its tests left out, in path order: a real corpus that needs no download
+  (Python 3.11.7: 734 files, 12,118,641 bytes), and the name of the Python it came from."""
+  root, files = sysconfig.get_paths()["stdlib"], []
+  for d, dirs, names in os.walk(root):
+    dirs[:] = sorted(x for x in dirs if x not in SKIP)
+    files += [os.path.join(d, f) for f in sorted(names) if f.endswith(".py")]
+  if not files: raise DataError(f"stdlib: no .py files under {root}: this Python has no standard library sources")
+  return b"".join(pathlib.Path(f).read_bytes() for f in files), f"Python {sys.version.split()[0]}, {len(files)} files"
+
 READERS = {".txt": read_txt, ".bin": read_bin, ".npy": read_npy}
 TASKS = {"synthetic:parity": Parity, "synthetic:s5": S5}
 
@@ -221,5 +243,9 @@ def load(spec:str, vocab:int, seq_len:int, seed:int=0, tok:Bytes|BPE=BYTES) -> S
   if spec in TASKS:
     check_vocab(spec, (src := TASKS[spec](seed)).vocab - 1, vocab)
     return src
+  if spec == "stdlib":  # read as bytes: a BPE needs a .txt file (above)
+    data, which = stdlib()
+    check_vocab(spec, int((ids := np.frombuffer(data, np.uint8)).max()), vocab)
+    return Tokens(f"stdlib ({which}, {len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()})", 256, ids, seed)
   if os.path.splitext(spec)[1] in READERS: return load_tokens(spec, vocab, seq_len, seed, tok)
   raise DataError(f"unknown data spec {spec!r}: use {FORMS}")

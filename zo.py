@@ -453,7 +453,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "with --data synthetic, 32)")
   p.add_argument("--loops", type=int, default=None, help="loop count of the looped model (training depth)")
   p.add_argument("--eval-loops", type=int, default=None, help="loop count for evaluation (default: --loops)")
-  p.add_argument("--data", default="synthetic", help="synthetic | synthetic:parity | synthetic:s5 | FILE.txt | FILE.bin | FILE.npy")
+  p.add_argument("--data", default="synthetic", help="synthetic | synthetic:parity | synthetic:s5 | stdlib (this Python's "
+                 "standard library sources, as bytes) | FILE.txt | FILE.bin | FILE.npy")
   p.add_argument("--tokenizer", default="bytes", help="for a .txt file: bytes (vocab 256), or bpe:N, a byte-level BPE of N tokens "
                  "trained on the text's training split (saved as OUT/tokenizer.json; the tokens are cached beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")

@@ -159,3 +159,31 @@ def test_split(tmp_path:pathlib.Path):
   src = load(str(p), 3, 9)
   for i in range(20):
     assert (np.concatenate(src.batch("train", i, 8, 9)) == 1).all() and (np.concatenate(src.batch("val", i, 8, 9)) == 2).all()
+
+def test_windows_without_replacement(tmp_path:pathlib.Path):
+  """Token files are read in windows without replacement: an epoch's rows are distinct, non-overlapping windows of the split, all
+  of them once, and the next epoch's start elsewhere. With ids 0..N-1 every token is its own position, so a repeat shows."""
+  np.save(p := tmp_path / "ids.npy", np.arange(10_000, dtype=np.int32))
+  src, B, T = load(str(p), 10_000, 15, seed=7), 2, 15
+  W = len(src.parts["train"]) // (T + 1)  # 9,000 tokens: 562 windows, 8 tokens to spare for the epoch's offset
+  def rows(i0:int, n:int) -> np.ndarray:  # batches i0.. i0+n-1, each row's T+1 tokens
+    x, y = zip(*[src.batch("train", i, B, T) for i in range(i0, i0 + n)])
+    return np.concatenate([np.concatenate(x), np.concatenate(y)[:, -1:]], 1)
+  first = rows(0, W // B)
+  assert (np.diff(first, axis=1) == 1).all()  # each row one window of consecutive tokens
+  assert len(np.unique(first)) == first.size == W * (T + 1)  # the epoch reads every window once, no token twice
+  assert len(np.unique(first[:, 0] % (T + 1))) == 1  # on one grid
+  np.testing.assert_array_equal(load(str(p), 10_000, 15, seed=7).batch("train", 3, B, T)[0], src.batch("train", 3, B, T)[0])
+  offsets = {rows(k * W // B, 1)[0, 0] % (T + 1) for k in range(9)}  # the grid of epochs 0..8
+  assert len(offsets) > 1  # it moves between epochs (nine equal offsets out of nine: chance 9^-8)
+
+def test_stdlib():
+  """--data stdlib: the standard library's sources without its tests, named by Python version and sha256, read as bytes."""
+  import hashlib
+  from data import stdlib
+  corpus, which = stdlib()
+  src = load("stdlib", 256, 64)
+  assert src.vocab == 256 and which in src.name and hashlib.sha256(corpus).hexdigest() in src.name
+  assert np.concatenate([src.parts["train"], src.parts["val"]]).tobytes() == corpus
+  x, _ = src.batch("train", 0, 4, 64)
+  assert all(bytes(row.astype(np.uint8)) in corpus for row in x)
