@@ -21,7 +21,7 @@ from tinygrad import Tensor, Variable, dtypes
 from tinygrad.uop.ops import UOp
 from kernels.attention import attention, mix, probs, spans
 from kernels import flash
-from kernels.noise import key as root_key, fold, gaussian, runs
+from kernels.noise import NOISES, key as root_key, fold, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
 from model import GPTConfig, allocated, jitted, per_call, release, softcap
@@ -63,6 +63,7 @@ class Recipe:
   betas:tuple[float, float] | None
   group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §3.14
   warmdown:float                     # the fraction of the steps at the end over which the lr falls linearly to zero
+  noise:str = "gaussian"             # every draw's distribution (kernels/noise.py NOISES): "gaussian" (§3), or "rademacher", +-1
 
   def lr_for(self, name:str) -> float: return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
 
@@ -80,12 +81,14 @@ def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   while units.sum() < total: units[np.argmax(share - units)] += 1
   return tuple(int(u) * unit for u in units)
 
-def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) -> Recipe:
+def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, noise:str="gaussian") -> Recipe:
   """The release's SGD recipe for its populations and budgets (§3.11, §4.1), or under Adam(W) the Noise record's (§3.14) at any
   population that is a multiple of 256: every count per 256 of population, sigmas doubled, block 0 rewarded by a reward-to-go,
-  AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals."""
+  AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals. `noise`:
+  Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate)."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
+  if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
   adam = optimizer != "sgd"
   if adam and (population < 256 or population % 256):
     raise ValueError(f"Dust's AdamW recipe counts its draws per 256 of population: the population must be a multiple of 256, not {population}")
@@ -105,7 +108,7 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8) 
               "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * double for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2
              8, "adam" if adam else "sgd", lr, momentum, (0.7, 0.95) if adam else None,
              {"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr} if adam else
-             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03}, 0.3 if adam else 0.0)
+             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03}, 0.3 if adam else 0.0, noise)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
   if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
     raise ValueError(f"population {population}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
@@ -135,6 +138,7 @@ class Draws:
   group:int   # the index in GROUPS
   block:int
   chunks:range
+  noise:str = "gaussian"  # their distribution
 
 # A Dust JIT call batches as many chunks of draws as hold this many tokens together: the dust preset's chunk (8 draws of 8 x 2048),
 # which fills an H200, so one chunk a call there and 8 at the small preset's 8 x 256, where a call of one chunk had cost more host
@@ -160,7 +164,7 @@ def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, 
   n = len(draws.chunks) // (unit or 1)
   most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
   G = per_call(n, tokens, most)
-  jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, **static)
+  jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, noise=draws.noise, **static)
   if (k := (id(jit), draws.group, draws.block)) not in _sums:
     _sums[k] = [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes]
   sums = _sums[k]
@@ -201,20 +205,20 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
                  sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
   return {recorded(model, sites[j], d): e for (j, d, _), e in zip(outs, E)}
 
-def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], sites:tuple[str, ...],
-                 sigma:float, nrep:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float) -> list[Tensor]:
+def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], sites:tuple[str, ...], sigma:float, nrep:int,
+                 outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float, noise:str) -> list[Tensor]:
   """G chunks of `direct` in one pass (k: their keys [G, 2]), nrep draws each, one per copy of the batch; outs lists (site index,
   depth, width) of the estimates."""
   B, T, G = *y.shape[:2], k.shape[0]
   ks = [fold(k, i) for i in range(len(sites))]
-  loss = model.losses(tile(x, G * nrep), tile(y, G * nrep), {s: (ki, sigma) for s, ki in zip(sites, ks)},
+  loss = model.losses(tile(x, G * nrep), tile(y, G * nrep), {s: (ki, sigma, noise) for s, ki in zip(sites, ks)},
                       stream if rerun == "block" else None).reshape(G, nrep, B, T)
   # r_i - mean_j r_j over the chunk's draws, with r = loss0 - loss: loss0 cancels; the draw in its own baseline shrinks by (n-1)/n
   reward = loss.mean(1, keepdim=True) - loss
   if gamma: reward = reward_to_go(reward, gamma)
-  def noise(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
-    return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * nrep * B, T, w)).reshape(G, nrep, B, T, w)
-  return [-(reward.unsqueeze(-1) * noise(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]
+  def drawn(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
+    return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * nrep * B, T, w), noise).reshape(G, nrep, B, T, w)
+  return [-(reward.unsqueeze(-1) * drawn(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]
 
 def reward_to_go(c:Tensor, gamma:float) -> Tensor:
   """r_t = sum_{s>=t} gamma^(s-t) c_s along the last axis (tokens): block 0's jitter pays off mostly at later tokens (§3.14)."""
@@ -242,13 +246,13 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, draws:Draws,
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
 
-def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float, nrep:int) -> list[Tensor]:
+def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float, nrep:int, noise:str) -> list[Tensor]:
   """G cycles of S chunks of `head_error` (ks [G, S, 2]), the G chunks on slab m keyed ks[:, m]; clean: the capture's raw logits z
   as [B, T, S, W] slabs, and the softcapped logits' exp-sums per slab, target logit and loss."""
   B, T, S, W = clean["z"].shape
   slab_sum = clean["slab_sum"]
   def slab(m:int) -> Tensor:
-    a = gaussian(ks[:, m], (nrep, B, T, W)).reshape(-1, B, T, W).contiguous()  # materialized once: three reductions read it
+    a = NOISES[noise](ks[:, m], (nrep, B, T, W)).reshape(-1, B, T, W).contiguous()  # materialized once: three reductions read it
     c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
@@ -347,12 +351,13 @@ def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:
   return accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t, target.realize(),
                     kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)[0]
 
-def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int) -> list[Tensor]:
+def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int,
+                noise:str) -> list[Tensor]:
   """G chunks of `local_error` (k: their keys [G, 2]), n = G nrep draws in all, one per copy of the batch."""
   att, n = CleanAttention(model, depth, clean), k.shape[0] * nrep
   B, T, H, hd = clean["q"].shape
   shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
-  a = gaussian(fold(k, 0), shape).reshape(n * B, *shape[1:])
+  a = NOISES[noise](fold(k, 0), shape).reshape(n * B, *shape[1:])
   score = (att.delta(kind, a, sigma, n) * tile(target.reshape(B, T, H, hd), n)).sum(-1)  # [n B, T, H]
   R = score if kind == "q" else credit(T, att.window, gamma) @ score
   return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(n, B, T, -1).sum(0) / divisor]
@@ -366,11 +371,11 @@ def scalar_es(model, x:Tensor, y:Tensor, sigma:float, draws:Draws) -> dict[str, 
   return dict(zip(SCALARS, E))
 
 SCALARS = ("resid_lambdas", "x0_lambdas")
-def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, sigma:float) -> list[Tensor]:
+def scalar_chunk(model, k:Tensor, x:Tensor, y:Tensor, sigma:float, noise:str) -> list[Tensor]:
   """G draws (k: their keys [G, 2]) as G members of one forward per sign, each member with its own scalars [G, L]."""
   params, G = model.params, k.shape[0]
   L = params[SCALARS[0]].shape[0]
-  a = gaussian(fold(k, 0), (2 * L,))
+  a = NOISES[noise](fold(k, 0), (2 * L,))
   def loss(sign:int) -> Tensor:
     moved = {n: (params[n] + sign * sigma * a[:, i * L:(i + 1) * L]).contiguous() for i, n in enumerate(SCALARS)}  # not re-hashed per use
     return model.losses(tile(x, G), tile(y, G), params=params | moved).reshape(G, -1).sum(1)
@@ -431,7 +436,8 @@ class Update:
     self.model, self.rc, self.rerun, self.y = model, rc, rerun, y
     self.work = [Worker(m, *inputs(m, x, y, root_key(key))) for m in replicas(model, devices)]
 
-  def draws(self, group:str, block:int, n:int) -> Draws: return Draws(self.work[0].key, GROUPS.index(group), block, range(n // self.rc.nrep))
+  def draws(self, group:str, block:int, n:int) -> Draws:
+    return Draws(self.work[0].key, GROUPS.index(group), block, range(n // self.rc.nrep), self.rc.noise)
   def depths(self, l:int) -> tuple[int, ...]:  # where parameter block l is applied: (l,) in the GPT, every loop in the looped model
     return tuple(i for i in range(self.model.n_blocks) if self.model.pblock(i) == l)
 
@@ -476,7 +482,7 @@ def head_draws(u:Update) -> Tensor:
 
 def scalar_draws(u:Update) -> dict[str, Tensor]:
   """§3.7: the residual-mix scalars' gradient, by two-sided weight-space ES: a chunk a draw, on 16 weights."""
-  one_each = Draws(u.work[0].key, GROUPS.index("scalars"), 0, range(u.rc.scalar_draws))
+  one_each = Draws(u.work[0].key, GROUPS.index("scalars"), 0, range(u.rc.scalar_draws), u.rc.noise)
   return {n: g / u.y.numel() for n, g in across(u.work, one_each, lambda w, d: scalar_es(w.model, w.x, w.y, u.rc.sigma["scalars"], d)).items()}
 
 def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
@@ -513,10 +519,10 @@ def gradients(model, errs:list[Tensor], ins:list[Tensor], scalars:dict[str, Tens
 
 def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass): DUST.md §3's steps in order. opts: recipe (a Recipe, else
-  recipe(pop, budget, optimizer, n_layer)), budget, optimizer, rerun ("block" | "full"), devices (split every group's chunks over
-  this many devices). Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local
+  recipe(pop, budget, optimizer, n_layer, noise)), budget, optimizer, noise, rerun ("block" | "full"), devices (split every group's
+  chunks over this many devices). Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local
   attention draws run at every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations."""
-  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), model.n_pblocks)
+  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), model.n_pblocks, opts.get("noise", "gaussian"))
   u = Update(model, x, y, key, rc, opts.get("rerun", "block"), opts.get("devices", 1))  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)

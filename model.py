@@ -1,8 +1,9 @@
 """The Dust GPT (DUST.md §1) and the looped RNN, as functions of one parameter dict, with noise sites at every layer output.
 
 A *site* is a layer output that Dust jitters: `losses(idx, targets, jitter={site: (key, sigma)})` adds sigma * N(0, I) from
-`key` there. `capture` runs the clean pass and keeps each site's input and output plus the block inputs, so a jittered
-pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`, DUST.md §3.10).
+`key` there (with `(key, sigma, "rademacher")`, sigma * +-1). `capture` runs the clean pass and keeps each site's input and output
+plus the block inputs, so a jittered pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`,
+DUST.md §3.10).
 """
 from __future__ import annotations
 import itertools, math, weakref
@@ -117,9 +118,9 @@ class Pass:
   def site(self, name:str, inp:Tensor|None, out:Tensor) -> Tensor:
     if self.rec is not None: self.rec[name + self.model.tag(self.depth)], self.rec[name + ":in" + self.model.tag(self.depth)] = out, inp
     if name in self.jitter:
-      k, sigma = self.jitter[name]  # k [2], or [G, 2]: G chunks of the batch, each with its own key
+      k, sigma, *noise = self.jitter[name]  # k [2], or [G, 2]: G chunks of the batch, each with its own key; Gaussian unless named
       # contiguous: the noise fuses into the producer's epilogue, and is never recomputed inside the consumer's matmul loops
-      out = (out + (sigma * runs(self.model.site_key(k, self.depth), out.shape)).cast(out.dtype)).contiguous()
+      out = (out + (sigma * runs(self.model.site_key(k, self.depth), out.shape, *noise)).cast(out.dtype)).contiguous()
     return out
 
   def linear(self, name:str, x:Tensor, act:str|None=None) -> Tensor:  # act(x) is the layer's input (kernels/matmul.py's ACTS)

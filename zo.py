@@ -280,9 +280,10 @@ def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
 def method_opts(args) -> dict:
   return {"mezo": {"eps": args.eps, "devices": args.devices}, "es": {"sigma": args.sigma, "shaping": args.shaping, "rank": args.rank,
           "devices": args.devices},
-          "dust": {"optimizer": args.optim, "devices": args.devices}, "backprop": {}}[args.method]
+          "dust": {"optimizer": args.optim, "noise": args.noise, "devices": args.devices}, "backprop": {}}[args.method]
 
-def run_config(path:str) -> dict: return {"tokenizer": "bytes"} | json.load(open(path))  # a run from before --tokenizer read bytes
+def run_config(path:str) -> dict:  # a run from before --tokenizer read bytes, and one from before --noise drew Gaussians
+  return {"tokenizer": "bytes", "noise": "gaussian"} | json.load(open(path))
 
 def train(args):
   from data import load
@@ -302,7 +303,8 @@ def train(args):
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
     old = run_config(cfg_path)
-    diff = [k for k in ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer") if old.get(k) != config[k]]
+    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise")
+    diff = [k for k in kept if old.get(k) != config[k]]
     if diff:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
     start = resume(args.out, model, opt)
@@ -467,6 +469,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
   p.add_argument("--warmdown", type=float, default=None, help="fraction of the steps at the end over which the lr falls linearly to 0 "
                  "(default: 0.3 for Dust under AdamW, the Noise record's schedule; else 0)")
+  p.add_argument("--noise", default="gaussian", choices=("gaussian", "rademacher"), help="dust: the distribution of every draw "
+                 "(Rademacher: +-1, the same mean and variance)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
@@ -494,6 +498,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
     if getattr(args, flag) is not None and getattr(args, flag) < 1: p.error(f"--{flag.replace('_', '-')} must be at least 1")
   if args.temperature <= 0: p.error("--temperature must be positive")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
+  if args.noise != "gaussian" and args.method != "dust": p.error(f"--noise {args.noise} is Dust's: {args.method} draws Gaussian noise")
   return args
 
 def default_device() -> str:

@@ -43,12 +43,14 @@ def gaussian(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:
   u1, u2 = _uniform(b.cast(dtypes.uint32)), _uniform((b >> 32).cast(dtypes.uint32))
   return ((1.0 - u1).log() * -2.0).sqrt().mul((u2 * (2 * math.pi)).cos()).cast(dtype)
 
-def runs(key:Tensor, shape:tuple[int, ...]) -> Tensor:
-  """Gaussian noise of `shape` whose first axis is split into equal runs, one per key (key [2]: one run; [G, 2]: G runs), each run
-  the noise of its key alone: G chunks of draws batched into one pass draw what each would draw by itself."""
-  G = prod(key.shape[:-1])
-  return gaussian(key, (shape[0] // G, *shape[1:])).reshape(shape)
-
 def rademacher(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:
   """+-1 with equal probability: the top bit of the low word. No transcendentals, so it fuses into a matmul for free."""
   return ((bits(key, shape).cast(dtypes.uint32) >> 31).cast(dtype) * 2 - 1)
+
+NOISES = {"gaussian": gaussian, "rademacher": rademacher}  # Dust's jitter (--noise): both have mean 0 and variance 1
+
+def runs(key:Tensor, shape:tuple[int, ...], noise:str="gaussian") -> Tensor:
+  """Noise of `shape` whose first axis is split into equal runs, one per key (key [2]: one run; [G, 2]: G runs), each run the noise
+  of its key alone: G chunks of draws batched into one pass draw what each would draw by itself."""
+  G = prod(key.shape[:-1])
+  return NOISES[noise](key, (shape[0] // G, *shape[1:])).reshape(shape)

@@ -307,3 +307,8 @@ def test_sigint(runs):
   assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
   assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
   assert losses(res["metrics"]) == losses(ref["metrics"])
+
+# protects: --noise is Dust's: another method refuses it up front (exit 2, naming the flag) instead of ignoring it
+def test_noise_is_dusts(tmp_path:Path):
+  r = cli(*argv(tmp_path / "out", "--steps", 2), "--method", "mezo", "--pop", 1, "--noise", "rademacher")
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "--noise rademacher" in r.stderr.strip().splitlines()[-1], r.stderr
