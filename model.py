@@ -292,7 +292,9 @@ class Scratch:
   def __init__(self):
     self.base:dict[str, Buffer] = {}
     self.users:list[tuple[CapturedJit, list[tuple[UOp, int]]]] = []  # each JIT's arenas and their offsets in its device's arena
-    self.arenas:set[UOp] = set()
+
+  @property
+  def arenas(self) -> set[UOp]: return {u for _, offsets in self.users for u, _ in offsets}
 
   def free(self) -> None:
     """Before a capture, which runs on an arena of its own: else the largest plan would be held twice while the next one is captured."""
@@ -314,7 +316,6 @@ class Scratch:
         end[u.device] = end.get(u.device, 0) + u.nbytes()  # the planner rounds arenas to 256 bytes, so each view stays aligned
         self.forget(buffers.pop(u, None))
       self.users.append((captured, offsets))
-      self.arenas |= set(planned)
     need:dict[str, int] = {}
     for _, offsets in self.users:
       for u, off in offsets: need[u.device] = max(need.get(u.device, 0), off + u.nbytes())
@@ -391,7 +392,8 @@ def release(jit:Jit) -> None:
   by then; so the views are deallocated first, and a replay derives them from the re-allocated buffer. Under JIT=0 nothing is
   captured, and nothing of a call is kept."""
   if (captured := jit.captured) is None: return
-  own = {x for u in captured._written_uops if u not in SCRATCH.arenas and (b := buffers.get(u)) is not None
+  shared = SCRATCH.arenas
+  own = {x for u in captured._written_uops if u not in shared and (b := buffers.get(u)) is not None
          for x in (b.bufs if isinstance(b, MultiBuffer) else (b,))}
   if not own: return
   for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in own and b.is_initialized()]: view.deallocate()

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from tinygrad import Context, Tensor, Variable, dtypes, nn
 from tinygrad.uop.ops import UOp
-from kernels.noise import fold, key as root_key
+from kernels.noise import NOISES, fold, key as root_key
 from kernels.perturb import Population, combine
 from model import allocated, jitted, per_call
 from data import BPE, Bytes
@@ -469,7 +469,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
   p.add_argument("--warmdown", type=float, default=None, help="fraction of the steps at the end over which the lr falls linearly to 0 "
                  "(default: 0.3 for Dust under AdamW, the Noise record's schedule; else 0)")
-  p.add_argument("--noise", default="gaussian", choices=("gaussian", "rademacher"), help="dust: the distribution of every draw "
+  p.add_argument("--noise", default="gaussian", choices=tuple(NOISES), help="dust: the distribution of every draw "
                  "(Rademacher: +-1, the same mean and variance)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
