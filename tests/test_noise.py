@@ -152,6 +152,17 @@ def test_gaussian_statistics():
   assert abs(v - 1) < 5 * math.sqrt(2 / n)  # var of the sample variance of N(0,1) is 2/n
   kurt = ((z - m)**4).mean() / v**2 - 3
   assert abs(kurt) < 5 * math.sqrt(24 / n)  # var of the sample excess kurtosis of N(0,1) is ~24/n
+  # Kolmogorov-Smirnov: sqrt(n) sup|F_n - Phi| exceeds 1.95 with probability 0.001 for Gaussian samples. Catches what the moments
+  # miss: an angle or radius of the wrong shape, a polynomial off in one quadrant
+  cdf, s = 0.5 * (1 + np.vectorize(math.erf)(np.sort(z) / math.sqrt(2))), np.arange(n + 1) / n
+  assert math.sqrt(n) * max((s[1:] - cdf).max(), (cdf - s[:-1]).max()) < 1.95
+
+def test_gaussian_neighbours_independent():
+  """Values at neighbouring counters, and their squares, must be uncorrelated within 5/sqrt(n): catches a counter that repeats or
+  advances by half (i // 2 instead of i), and a radius or angle shared by neighbours."""
+  z = gaussian(key(77), (N_STAT,)).numpy().astype(np.float64)
+  a, b = z[:-1], z[1:]
+  for name, (x, y) in {"neighbours": (a, b), "their squares": (a ** 2, b ** 2)}.items(): assert abs(corr(x, y)) < 5 / math.sqrt(x.size), name
 
 def test_rademacher_statistics():
   """1e6 samples are exactly +-1 with mean 0 within 5/sqrt(n): catches 0/1 output or a biased bit."""
