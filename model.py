@@ -20,8 +20,10 @@ from tinygrad.nn.state import get_parameters
 from tinygrad.tensor import all_tensors
 from tinygrad.uop.ops import Ops, UOp, buffers
 from kernels.attention import attention
+from kernels.embed import embedding
 from kernels.loss import fits, softcapped_loss
 from kernels.matmul import activate, linear
+from kernels.mix import scale
 from kernels.noise import fold, runs
 from kernels.perturb import per_member
 from kernels.norm import norm, qk_norm, rms
@@ -108,12 +110,12 @@ class Pass:
 
   def embed(self, name:str, idx:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
-    return self.site(name, idx, w.cast(self.dtype)[idx] if isinstance(w, Tensor) else w.embed(idx, self.dtype))
+    return self.site(name, idx, embedding(w, idx, self.dtype) if isinstance(w, Tensor) else w.embed(idx, self.dtype))
 
   def scale(self, name:str, i:int, x:Tensor) -> Tensor:  # a residual-mix scalar times the stream; [M, L] scalars: one set per member
     w = self.params[name]
     if not isinstance(w, Tensor): return w.scale(i, x)
-    return w[i] * x if w.ndim == 1 else per_member(w[:, i], x)
+    return scale(w, i, x) if w.ndim == 1 else per_member(w[:, i], x)
 
   def site(self, name:str, inp:Tensor|None, out:Tensor) -> Tensor:
     if self.rec is not None: self.rec[name + self.model.tag(self.depth)], self.rec[name + ":in" + self.model.tag(self.depth)] = out, inp

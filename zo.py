@@ -7,7 +7,7 @@
   backprop  tinygrad autograd: only the reference baseline
 """
 from __future__ import annotations
-import argparse, json, math, os, signal, sys, time
+import argparse, itertools, json, math, os, signal, sys, time
 from dataclasses import dataclass
 import numpy as np
 from safetensors import safe_open
@@ -34,6 +34,17 @@ class Compact:
 
   def dense(self, params:dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: combine(fold(self.keys, i), self.coef, p.shape, self.rank) for i, (n, p) in enumerate(params.items())}
+
+@dataclass
+class Flat:
+  """A dense estimate as one float32 buffer, the parameters' gradients one after another in model.params' order. A JIT takes it as one
+  input, where the gradients would be one each, and a JIT's inputs cost host time each: 50 of them took longer than the small
+  preset's backprop step (NULL device, 2 CPU cores)."""
+  buf:Tensor  # (D,) float32
+
+  def dense(self, params:dict[str, Tensor]) -> dict[str, Tensor]:  # views into the buffer
+    ends = itertools.accumulate(p.numel() for p in params.values())
+    return {n: self.buf[e - p.numel():e].reshape(p.shape) for (n, p), e in zip(params.items(), ends)}
 
 # ***** the estimators: (model, x, y, pop, key) -> (estimate, mean clean-ish loss) *****
 
@@ -108,22 +119,31 @@ def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping
   if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
   return compact(model, key, population(model, x, y, key, pop // 2, sigma, rank, devices), shaping, sigma, rank)
 
-def backprop_pass(model, x:Tensor, y:Tensor, params:dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-  with Context(CUDA_KERNELS=0): loss = model.losses(x, y, params=params).mean()  # kernels/cuda.py's kernels have no gradient
-  return loss, dict(zip(params, loss.gradient(*params.values())))
+def gradient(model, x:Tensor, y:Tensor) -> tuple[Tensor, list[Tensor]]:
+  """The mean loss and its gradient by autograd, one tensor per model.params entry: the sum's gradient over the token count. The sum's
+  per-token gradients are O(1), where half precision holds them; the mean's fall under half's smallest normal (6e-5) at the dust
+  preset's 16,384 tokens."""
+  losses = model.losses(x, y)
+  return losses.mean(), [g / losses.numel() for g in losses.sum().gradient(*model.params.values())]
 
-def backprop(model, x:Tensor, y:Tensor) -> tuple[dict[str, Tensor], Tensor]:
-  """The gradient by autograd, one TinyJit per batch shape as for the ZO passes (eager, every step would build and schedule the
-  backward graph anew); copied out, since the next replay writes the same buffers."""
-  loss, g = jitted(backprop_pass, model, x.shape)(x, y, model.params)
-  loss, g = loss.clone(), {n: t.clone() for n, t in g.items()}
-  Tensor.realize(loss, *g.values())  # now: a lazy copy would read the buffers after the next replay
-  return g, loss
+def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor]:
+  loss, grads = gradient(model, x, y)
+  buf = Tensor.empty(model.num_params(), device=x.device)
+  Tensor.realize(*[part.assign(t) for part, t in zip(Flat(buf).dense(model.params).values(), grads)])  # each written into its part
+  return buf, loss
 
-def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> tuple[Compact|dict[str, Tensor], Tensor]:
-  k = root_key(key)
-  if method == "mezo": return mezo(model, x, y, pop, k, **opts)
-  if method == "es": return es(model, x, y, pop, k, **opts)
+def backprop(model, x:Tensor, y:Tensor) -> tuple[Flat, Tensor]:
+  """The gradient as a Flat, and the mean loss, by one TinyJit per batch shape as for the ZO passes (eagerly, every step would build and
+  schedule the backward graph anew). Its output is the JIT's own buffer, which the next call writes again (buffers new at every call
+  made tinygrad rebuild the JIT's CUDA graphs, 4 ms of host time a step at the small preset, NULL device): the training loop uses it
+  before then, and `estimate` copies it. The weights are no input either: the JIT reads them from the model, where the optimizer
+  updates them in place."""
+  buf, loss = jitted(backprop_pass, model, x.shape)(x, y)
+  return Flat(buf), loss
+
+def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> tuple[Compact|Flat|dict[str, Tensor], Tensor]:
+  if method == "mezo": return mezo(model, x, y, pop, root_key(key), **opts)
+  if method == "es": return es(model, x, y, pop, root_key(key), **opts)
   if method == "dust": return dust.step(model, x, y, pop, key, **opts)
   if method == "backprop": return backprop(model, x, y)
   raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
@@ -131,7 +151,8 @@ def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opt
 def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> dict[str, Tensor]:
   """The gradient estimate of the mean token loss, one tensor per model.params entry. Same key, same estimate."""
   g, _ = run_estimator(model, x, y, method, pop, key, **opts)
-  return g.dense(model.params) if isinstance(g, Compact) else g
+  if isinstance(g, Flat): g = Flat(g.buf.clone().realize())  # the caller's to keep (backprop)
+  return g.dense(model.params) if isinstance(g, (Compact, Flat)) else g
 
 # ***** the optimizer: SGD with momentum or AdamW over parameter groups, with momentum replayed from seeds *****
 
@@ -168,10 +189,11 @@ class Optimizer:
     self.opts = [(make([p for n, p in params.items() if lrs[n] == lr], lr), lr) for lr in sorted(set(lrs.values()))]
     Tensor.realize(*[t for o, _ in self.opts for t in nn.state.get_parameters(o)])  # the state the update's JIT assigns: real before it
 
-  def step(self, g:Compact|dict[str, Tensor]):
+  def step(self, g:Compact|Flat|dict[str, Tensor]):
     if self._scale[0] != self.scale:  # a tensor, not a Python float: a new lr is new data, not a new kernel; uploaded when it changes
       self._scale = (self.scale, Tensor([self.scale]).realize())
     scale = self._scale[1]
+    if isinstance(g, Flat): return jitted(flat_update, self)(g.buf, scale)
     if not isinstance(g, Compact): return jitted(update, self)(g, scale)
     if not (self.W and self.kind == "sgd"): return jitted(dense_update, self, g.keys.shape, rank=g.rank)(g.keys, g.coef, scale)
     if self.keys is None:
@@ -197,6 +219,7 @@ def update(opt:Optimizer, grads:dict[str, Tensor], scale:Tensor):
   for p in opt.params.values(): p.grad = None  # the capture's graph, which nothing reads again
 
 def dense_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int): update(opt, Compact(keys, coef, rank).dense(opt.params), scale)
+def flat_update(opt:Optimizer, buf:Tensor, scale:Tensor): update(opt, Flat(buf).dense(opt.params), scale)
 
 def replay_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int):
   """Push this step's (keys, coef) into the history, then θ <- θ - lr scale sum_{a<W} μ^a g_{t-a}, every g regenerated from its seeds."""
@@ -355,11 +378,15 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
 def squares(model, loss:Tensor, named:dict[str, Tensor]) -> Tensor:
   return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum() for t in named.values()])
 
-def checked(model, loss:Tensor, g:Compact|dict[str, Tensor], step:int, out:str) -> float:
+def flat_squares(model, loss:Tensor, buf:Tensor) -> Tensor: return squares(model, loss, Flat(buf).dense(model.params))
+
+def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
   """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built eagerly at every
   step, the sums' graph took longer than a small model's whole step)."""
-  named = {"coefficients": g.coef} if isinstance(g, Compact) else g
-  vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()
+  if isinstance(g, Flat): named, vals = model.params, jitted(flat_squares, model, g.buf.shape)(loss, g.buf).numpy()
+  else:
+    named = {"coefficients": g.coef} if isinstance(g, Compact) else g
+    vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()
   if not math.isfinite(vals[0]): raise UsageError(f"step {step}: the training loss is {vals[0]}; the last good checkpoint is in {out}")
   if bad := [n for n, v in zip(named, vals[1:]) if not math.isfinite(v)]:
     raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite; the last good checkpoint is in {out}")

@@ -3,10 +3,10 @@
 A kernel reaches tinygrad as a PROGRAM whose source is CUDA C: tinygrad compiles it with NVRTC, and its scheduler, JIT and memory
 planner treat it as one of its own kernels. They are used where tinygrad's renderer is CUDA C for an sm_80+ GPU (cp.async, and
 mma.sync at 16x8x16 with half inputs and float accumulation); everywhere else the callers fall back to tinygrad's tensor ops.
-The kernels have no gradient: backprop (the reference baseline) turns them off with Context(CUDA_KERNELS=0), which is also how to
-compare them with tinygrad's own (`CUDA_KERNELS=0 python ...`).
+Each has a gradient, a grad_fxn made of kernels too (`operands` hands it the kernel's buffers), so backprop, the reference baseline,
+runs on them; Context(CUDA_KERNELS=0) turns them off, which is how to compare them with tinygrad's own (`CUDA_KERNELS=0 python ...`).
 """
-from tinygrad import Device
+from tinygrad import Device, Tensor
 from tinygrad.helpers import ContextVar
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import CUDARenderer
@@ -45,14 +45,20 @@ def sm(device:str) -> int:
 
 def available(device:str) -> bool: return bool(CUDA_KERNELS) and sm(device) >= 80
 
-def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, arch:str|None=None):
-  """A custom_kernel fxn: buffer 0 is the output, 1.. the inputs, in the order of the kernel's parameters. tinygrad compiles the source
-  for the device's own architecture (sm_90); `arch` compiles it here for another one instead: sm_90a, the only target with Hopper's
-  wgmma instructions."""
+def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, arch:str|None=None,
+            outs:int=1):
+  """A custom_kernel fxn: buffers 0 .. outs-1 are the outputs, the rest the inputs, in the order of the kernel's parameters. tinygrad
+  compiles the source for the device's own architecture (sm_90); `arch` compiles it here for another one instead: sm_90a, the only
+  target with Hopper's wgmma instructions."""
   def fxn(*_bufs:UOp) -> UOp:
-    info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=(0,), ins=tuple(range(1, n_bufs)),
-                       target=Device[device].renderer.target)
+    info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=tuple(range(outs)),
+                       ins=tuple(range(outs, n_bufs)), target=Device[device].renderer.target)
     sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
     code = (UOp(Ops.SOURCE, arg=PRELUDE + src),) + ((UOp(Ops.BINARY, arg=NVRTCCompiler(arch).compile_cached(PRELUDE + src)),) if arch else ())
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=())) + code, arg=info)
   return fxn
+
+def operands(call:UOp) -> list[Tensor]:
+  """In a grad_fxn, the kernel's buffers as tensors in the order of its parameters: the outputs as the kernel wrote them, then the inputs."""
+  outs = call.src[0].arg.outs
+  return [Tensor(u.after(call) if i in outs else u) for i, u in enumerate(call.src[1:])]

@@ -10,10 +10,16 @@ result is the tensor version's, summed in another order. Key blocks that a warp'
 applied only in the blocks that a window edge cuts. hd = 64 only: a 128 x 64 block of q and two stages of 64 x 64 blocks of k and v
 fill the 48 KB of static shared memory. q and k may hold fewer sequences than v, QB, each shared by the v sequences s with the same
 s % QB: a Dust draw batch's n copies of the clean q and k, never made (SOURCE_DELTA below takes the same).
+
+The gradient (`grad`, for backprop) is FlashAttention-2's, in two kernels that recompute the weights instead of storing them: with
+P = w / Z (Z, the row sums, the forward's second output), D_i = do_i . o_i and dS = P (do v^T - D), dq = dS k / sqrt(hd) by blocks of
+queries (SOURCE_DQ), and dk = dS^T q / sqrt(hd), dv = P^T do by blocks of keys (SOURCE_DKV).
 """
-import math
+import functools, math
+from typing import Callable
 from tinygrad import Tensor, dtypes
-from kernels.cuda import available, program
+from tinygrad.uop.ops import UOp
+from kernels.cuda import available, operands, program
 
 HD, BQ = 64, 128  # head dim, queries per block
 
@@ -61,11 +67,13 @@ __device__ __forceinline__ bool seen(int qr, int t, int c) {{ const int lag = qr
 __device__ __forceinline__ float rowsum(float x) {{  // the 4 lanes of a row hold its keys
   x += __shfl_xor_sync(0xffffffff, x, 1); return x + __shfl_xor_sync(0xffffffff, x, 2);
 }}
+// a weight w = exp(S / sqrt(hd)) as the forward kernel rounds it to half, 0 where the mask hides it
+__device__ __forceinline__ float weight(float s, bool seen) {{ return seen ? __half2float(__float2half_rn(__expf(s * {SCALE}f))) : 0.f; }}
 """
 
 SOURCE = TILE + r"""
-extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, const half *__restrict__ Q, const half *__restrict__ K,
-                                                          const half *__restrict__ V) {{
+extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, float *__restrict__ Z, const half *__restrict__ Q,
+                                                          const half *__restrict__ K, const half *__restrict__ V) {{
   __shared__ __align__(128) half sq[128 * 64], sk[2][64 * 64], sv[2][64 * 64];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s0 = (gridDim.x - 1 - blockIdx.x) * 128;  // the longest rows first: the last blocks to start are the short ones
@@ -107,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, c
     __syncthreads();  // every warp is done with this stage before the next step's copies overwrite it
   }}
   l0 = rowsum(l0); l1 = rowsum(l1);
+  if (!(lane & 3)) {{ Z[(size_t)blockIdx.y * T + qr] = l0; Z[(size_t)blockIdx.y * T + qr + 8] = l1; }}  // for the gradient (SOURCE_DQ)
   half *out = O + head + (size_t)qr * RS + (lane & 3) * 2;
   #pragma unroll
   for (int ni = 0; ni < 8; ni++) {{
@@ -191,6 +200,154 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(float *__restrict__ O, 
 }}
 """
 
+# dq for 64 queries a block (4 warps of 16), and the D of those queries, for SOURCE_DKV: over the key blocks the queries see, dP = do v^T
+# (v as the B operand, like k in S = q k^T), dS = w / Z (dP - D) with Z the forward's row sums, and dq += dS k (k as the B operand, like
+# v in o += w v).
+SOURCE_DQ = TILE + r"""
+extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DQ, float *__restrict__ DS, const half *__restrict__ Q,
+    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ O, const half *__restrict__ DO, const float *__restrict__ ZS) {{
+  __shared__ __align__(128) half buf[4 * 64 * 64];  // q and do at first; then stage s: k in slot s, v in slot 2 + s
+  __shared__ float sd[64];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s0 = (gridDim.x - 1 - blockIdx.x) * 64;  // the longest rows first
+  const size_t head = head_of(blockIdx.y), row0 = (size_t)blockIdx.y * T + s0;  // Z and D are [sequence x head, T]
+  const half *k = K + head, *v = V + head;
+  auto tile = [&](half *dst, const half *src, int row) {{
+    for (int c = tid; c < 64 * 8; c += 128) cp_async(dst + swz(c >> 3, c & 7), src + (size_t)(row + (c >> 3)) * RS + (c & 7) * 8);
+  }};
+  tile(buf, Q + head, s0); tile(buf + 4096, DO + head, s0);
+  commit();
+  {{  // D_i = do_i . o_i, two threads a query, 32 values each
+    const size_t at = head + (size_t)(s0 + (tid >> 1)) * RS + (tid & 1) * 32;
+    float d = 0.f;
+    for (int c = 0; c < 4; c++) {{
+      const uint4 a = *(const uint4 *)(O + at + c * 8), b = *(const uint4 *)(DO + at + c * 8);
+      for (int e = 0; e < 4; e++) {{
+        const float2 x = __half22float2(((const half2 *)&a)[e]), y = __half22float2(((const half2 *)&b)[e]);
+        d += x.x * y.x + x.y * y.y;
+      }}
+    }}
+    d += __shfl_xor_sync(0xffffffff, d, 1);
+    if (!(tid & 1)) {{ sd[tid >> 1] = d; DS[row0 + (tid >> 1)] = d; }}
+  }}
+  wait<0>(); __syncthreads();
+  unsigned qf[4][4], df[4][4];  // the warp's rows of q and do
+  load_rows(qf, buf, warp * 16, lane); load_rows(df, buf + 4096, warp * 16, lane);
+  const int r0 = warp * 16 + (lane >> 2);  // this lane's rows are r0 and r0 + 8 of the block
+  const float d0 = sd[r0], d1 = sd[r0 + 8], z0 = ZS[row0 + r0], z1 = ZS[row0 + r0 + 8];
+  __syncthreads();  // every warp has its rows before the keys overwrite them
+  const int first = max(0, s0 - WINDOW) / 64, last = (s0 + 63) / 64;
+  const int q0 = s0 + warp * 16, qr = s0 + r0;
+  auto stage = [&](int st, int j) {{ tile(buf + st * 4096, k, j * 64); tile(buf + (2 + st) * 4096, v, j * 64); }};
+  float dq[8][4] = {{}};
+  stage(0, first);
+  commit();
+  for (int j = first; j <= last; j++) {{
+    const int st = (j - first) & 1;
+    if (j < last) stage(st ^ 1, j + 1);
+    commit();
+    wait<1>();
+    __syncthreads();
+    if (j * 64 <= q0 + 15 && j * 64 + 63 >= q0 - WINDOW) {{
+      float s[8][4] = {{}}, dp[8][4] = {{}};
+      scores(s, qf, buf + st * 4096, lane);
+      scores(dp, df, buf + (2 + st) * 4096, lane);
+      const bool edge = j * 64 + 63 > q0 || j * 64 < q0 + 15 - WINDOW;
+      unsigned ds[8][2];
+      #pragma unroll
+      for (int ni = 0; ni < 8; ni++) {{
+        const int t = j * 64 + ni * 8 + (lane & 3) * 2;
+        float g[4];
+        #pragma unroll
+        for (int c = 0; c < 4; c++) {{
+          const float w = weight(s[ni][c], !edge || seen(qr, t, c));
+          g[c] = c < 2 ? w / z0 * (dp[ni][c] - d0) : w / z1 * (dp[ni][c] - d1);
+        }}
+        ds[ni][0] = pack(g[0], g[1]); ds[ni][1] = pack(g[2], g[3]);
+      }}
+      mix(dq, ds, buf + st * 4096, lane);
+    }}
+    __syncthreads();
+  }}
+  half *out = DQ + head + (size_t)qr * RS + (lane & 3) * 2;
+  #pragma unroll
+  for (int ni = 0; ni < 8; ni++) {{
+    *(unsigned *)(out + ni * 8) = pack(dq[ni][0] * {SCALE}f, dq[ni][1] * {SCALE}f);
+    *(unsigned *)(out + 8 * RS + ni * 8) = pack(dq[ni][2] * {SCALE}f, dq[ni][3] * {SCALE}f);
+  }}
+}}
+"""
+
+# dk and dv for 64 keys a block (4 warps of 16), over the blocks of 64 queries that see them: each warp takes S^T = k q^T and
+# dP^T = v do^T (q and do as B operands), then dv += P^T do and dk += dS^T q (q and do as B operands the other way, like v in mix)
+SOURCE_DKV = TILE + r"""
+extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DK, half *__restrict__ DV, const half *__restrict__ Q,
+    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ DO, const float *__restrict__ ZS,
+    const float *__restrict__ DS) {{
+  __shared__ __align__(128) half buf[4 * 64 * 64];  // k and v at first; then stage s: q in slot s, do in slot 2 + s
+  __shared__ __align__(16) float sz[2][64], sd[2][64];  // the stages' queries' Z and D
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t0 = blockIdx.x * 64;  // the first keys, which the most queries see, first
+  const size_t head = head_of(blockIdx.y), row0 = (size_t)blockIdx.y * T;
+  const half *q = Q + head, *dout = DO + head;
+  auto tile = [&](half *dst, const half *src, int row) {{
+    for (int c = tid; c < 64 * 8; c += 128) cp_async(dst + swz(c >> 3, c & 7), src + (size_t)(row + (c >> 3)) * RS + (c & 7) * 8);
+  }};
+  unsigned kf[4][4], vf[4][4];  // the warp's rows of k and v
+  tile(buf, K + head, t0); tile(buf + 4096, V + head, t0);
+  commit(); wait<0>(); __syncthreads();
+  load_rows(kf, buf, warp * 16, lane); load_rows(vf, buf + 4096, warp * 16, lane);
+  __syncthreads();
+  const int first = t0 / 64, last = min(T - 1, t0 + 63 + WINDOW) / 64;
+  auto stage = [&](int st, int j) {{
+    tile(buf + st * 4096, q, j * 64); tile(buf + (2 + st) * 4096, dout, j * 64);
+    if (tid < 16) cp_async((half *)(sz[st] + 4 * tid), (const half *)(ZS + row0 + j * 64 + 4 * tid));
+    else if (tid < 32) cp_async((half *)(sd[st] + 4 * (tid - 16)), (const half *)(DS + row0 + j * 64 + 4 * (tid - 16)));
+  }};
+  stage(0, first);
+  commit();
+  const int k0 = t0 + warp * 16, kr = k0 + (lane >> 2);  // the warp's first key; this lane's rows are keys kr and kr + 8
+  float dk[8][4] = {{}}, dv[8][4] = {{}};
+  for (int j = first; j <= last; j++) {{
+    const int st = (j - first) & 1;
+    if (j < last) stage(st ^ 1, j + 1);
+    commit();
+    wait<1>();
+    __syncthreads();
+    if (j * 64 + 63 >= k0 && j * 64 <= k0 + 15 + WINDOW) {{  // some of these 64 queries see some of the warp's 16 keys
+      float s[8][4] = {{}}, dp[8][4] = {{}};
+      scores(s, kf, buf + st * 4096, lane);
+      scores(dp, vf, buf + (2 + st) * 4096, lane);
+      const bool edge = j * 64 < k0 + 15 || j * 64 + 63 > k0 + WINDOW;
+      unsigned p[8][2], ds[8][2];
+      #pragma unroll
+      for (int ni = 0; ni < 8; ni++) {{
+        const int i = ni * 8 + (lane & 3) * 2;  // this lane's queries j * 64 + i and the next
+        float pf[4], g[4];
+        #pragma unroll
+        for (int c = 0; c < 4; c++) {{
+          const int qi = i + (c & 1), lag = j * 64 + qi - (kr + (c >> 1) * 8);
+          pf[c] = weight(s[ni][c], !edge || (lag >= 0 && lag <= WINDOW)) / sz[st][qi];
+          g[c] = pf[c] * (dp[ni][c] - sd[st][qi]);
+        }}
+        p[ni][0] = pack(pf[0], pf[1]); p[ni][1] = pack(pf[2], pf[3]); ds[ni][0] = pack(g[0], g[1]); ds[ni][1] = pack(g[2], g[3]);
+      }}
+      mix(dv, p, buf + (2 + st) * 4096, lane);
+      mix(dk, ds, buf + st * 4096, lane);
+    }}
+    __syncthreads();
+  }}
+  const size_t at = head + (size_t)kr * RS + (lane & 3) * 2;
+  #pragma unroll
+  for (int ni = 0; ni < 8; ni++) {{
+    *(unsigned *)(DK + at + ni * 8) = pack(dk[ni][0] * {SCALE}f, dk[ni][1] * {SCALE}f);
+    *(unsigned *)(DK + at + 8 * RS + ni * 8) = pack(dk[ni][2] * {SCALE}f, dk[ni][3] * {SCALE}f);
+    *(unsigned *)(DV + at + ni * 8) = pack(dv[ni][0], dv[ni][1]);
+    *(unsigned *)(DV + at + 8 * RS + ni * 8) = pack(dv[ni][2], dv[ni][3]);
+  }}
+}}
+"""
+
 def fits(q:Tensor, v:Tensor) -> bool:
   """q [QB, T, H, hd] and v [B, T, H, hd]: half, hd = 64, T a multiple of the query block, QB dividing B, on a GPU that runs kernels/cuda.py's."""
   return available(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[1] % BQ == 0 and \
@@ -203,8 +360,27 @@ def flash(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   (QB, T, H, _), B = q.shape, v.shape[0]
   name = f"flash_{B * H}_{T}_{window}" + (f"_{QB}" if QB != B else "")
   src = SOURCE.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)))
-  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 4, 4 * HD * B * H * pairs(T, window), 2 * 4 * B * H * T * HD)  # two matmuls of 2 hd flops
-  return Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device).custom_kernel(q, k, v, fxn=fxn)[0]
+  # two matmuls of 2 hd flops a (query, key) pair
+  fxn = program(q.device, name, src, (T // BQ, B * H), 256, 5, 4 * HD * B * H * pairs(T, window), 2 * 4 * B * H * T * HD, outs=2)
+  out, z = Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device), Tensor.empty(B * H * T, device=q.device)  # z: the row sums
+  return out.custom_kernel(z, q, k, v, fxn=fxn, grad_fxn=grad(window) if QB == B else None)[0]
+
+@functools.cache
+def grad(window:int) -> Callable:
+  """flash's grad_fxn (for q and k of every sequence, as backprop has them): SOURCE_DQ, then SOURCE_DKV, which reads its Z and D."""
+  def fxn(do:UOp, call:UOp) -> tuple[UOp|None, ...]:
+    o, z, q, k, v = operands(call)
+    g, (B, T, H, _), dev = Tensor(do).cast(dtypes.half), q.shape, q.device
+    fmt, n = dict(T=T, WINDOW=window, RS=H * HD, QB=B, SCALE=repr(1 / math.sqrt(HD))), B * T * H * HD
+    name = f"flash_dq_{B * H}_{T}_{window}"
+    fxn = program(dev, name, SOURCE_DQ.format(NAME=name, **fmt), (T // 64, B * H), 128, 8, 6 * HD * B * H * pairs(T, window), 2 * 6 * n, outs=2)
+    dq, d = Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=dev).custom_kernel(Tensor.empty(B * H * T, device=dev), q, k, v, o, g, z, fxn=fxn)[:2]
+    name = f"flash_dkv_{B * H}_{T}_{window}"
+    fxn = program(dev, name, SOURCE_DKV.format(NAME=name, **fmt), (T // 64, B * H), 128, 8, 8 * HD * B * H * pairs(T, window), 2 * 6 * n, outs=2)
+    dk, dv = Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=dev).custom_kernel(Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=dev),
+                                                                                     q, k, v, g, z, d, fxn=fxn)[:2]
+    return None, None, dq.uop, dk.uop, dv.uop
+  return fxn
 
 def delta(q:Tensor, k:Tensor, u:Tensor, d:Tensor, moved:str, window:int) -> Tensor:
   """The change o' - o of attention(q, k, u) in float32 when `moved` ("q" or "k") moves by d: q, k [QB, T, H, 64] unit-RMS and u [QB, ...],

@@ -17,8 +17,9 @@ and one that captures the JITs), that time in clean forwards, the forwards its a
 member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards; backprop: 3, a
 forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes during the
 row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward is a
-TinyJit like every step, measured the same way. Before the rows, the noise's rate: the generator alone against a MeZO/ES update made
-dense from its keys and against the seed replay of its momentum (`noise_row`).
+TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and batch (bf16,
+SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the generator
+alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
 import argparse, gc, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
@@ -162,19 +163,29 @@ def first_steps(preset:str, row:str, quick:bool) -> tuple[dict, float]:
     cold = run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))
     return cold, run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))["first_s"]
 
-def torch_reference(model, x:Tensor, y:Tensor) -> str:
-  """The same clean forward in PyTorch under torch.compile (tests/torch_ref.py), where torch is importable: a reference column. It runs
-  in a process of its own: in this one tinygrad's CUDA context is the current one, and torch's kernels fail to launch ("CUDA driver
-  error: invalid resource handle")."""
-  if importlib.util.find_spec("torch") is None: return "torch.compile fwd: torch is not importable here"
+def torch_run(model, x:Tensor, y:Tensor, mode:str) -> list[float]|str:
+  """tests/torch_ref.py on this model and batch in `mode` (forward, backprop): the numbers it prints, or why there are none. It runs in
+  a process of its own: in this one tinygrad's CUDA context is the current one, and torch's kernels fail to launch ("CUDA driver error:
+  invalid resource handle")."""
+  if importlib.util.find_spec("torch") is None: return "torch is not importable here"
   with tempfile.TemporaryDirectory() as d:
     arrays = {n: p.numpy() for n, p in model.params.items()} | {"cos": model.cos.numpy(), "sin": model.sin.numpy()}
     np.savez(f"{d}/in.npz", x=x.numpy(), y=y.numpy(), **arrays)
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_ref.py"), f"{d}/in.npz", json.dumps(asdict(model.cfg))],
-                       capture_output=True, text=True)
-  if r.returncode: return f"torch.compile fwd: failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
-  tok_s, loss = map(float, r.stdout.split()[-2:])
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_ref.py"), f"{d}/in.npz", json.dumps(asdict(model.cfg)),
+                        mode], capture_output=True, text=True)
+  return f"failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}" if r.returncode else [float(v) for v in r.stdout.split()]
+
+def torch_reference(model, x:Tensor, y:Tensor) -> str:
+  """The same clean forward in PyTorch under torch.compile: a reference column."""
+  if isinstance(r := torch_run(model, x, y, "forward"), str): return f"torch.compile fwd: {r}"
+  tok_s, loss = r[-2:]
   return f"torch.compile fwd {x.numel() / tok_s * 1e3:.3f} ms | its mean loss {loss:.4f}, tinygrad's {model.losses(x, y).mean().item():.4f}"
+
+def torch_backprop(model, x:Tensor, y:Tensor, clean:float) -> str:
+  """PyTorch's backprop step on the same model and batch (bf16, SGD with momentum), eager and under torch.compile, in clean forwards."""
+  if isinstance(r := torch_run(model, x, y, "backprop"), str): return f"PyTorch backprop: {r}"
+  return "PyTorch backprop (bf16, SGD): " + " | ".join(f"{how} {s:.4f} s ({s / clean:.1f} fwd-equiv), peak {gib * 1024:.1f} MiB"
+                                                      for how, s, gib in (("eager", *r[:2]), ("torch.compile", *r[2:])))
 
 def table(preset:str, rows:list[str], args) -> list[dict]:
   model, x, y = setup(preset, args.quick)
@@ -205,6 +216,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
       print(f"{label:>8} {pop:>5} {(r[0] if r else '-'):>4} {row['s']:9.4f} {fe:10.1f} {row['needs']:7.0f} {fe / row['needs']:8.2f} "
             f"{row['peak'] / 2**20:9.1f} {row['peak'] / f['peak']:7.2f} {row['first_s']:8.1f}" + (f" {warm:7.1f}" if warm is not None else ""),
             flush=True)
+      if name == "backprop" and not args.quick: print("  " + torch_backprop(model, x, y, clean), flush=True)
       if "split" in row:
         print(f"  by chunk kind, in a step of {row['split_s']:.3f} s with the syncs: " +
               ", ".join(f"{k} {v:.3f} s" for k, v in row["split"].items()), flush=True)

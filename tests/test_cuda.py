@@ -1,6 +1,6 @@
-"""kernels/cuda.py's kernels compile for an H200 and are chosen where they run: on tinygrad's NULL device, compiled but not run, so
-no GPU is needed. Their numerics are tested on the GPU machine: test_matmul.test_kernel, test_attention.test_flash, and test_loss,
-test_qk_norm and test_norm here."""
+"""kernels/cuda.py's kernels compile for an H200 and are chosen where they run, and backprop's graph takes each one's gradient once:
+on tinygrad's NULL device, compiled but not run, so no GPU is needed. Their numerics are tested on the GPU machine:
+test_matmul.test_kernel, test_attention.test_flash, test_loss, test_qk_norm and test_norm here, and tests/test_backprop.py."""
 import importlib.util, os, pathlib, subprocess, sys
 import numpy as np
 import pytest
@@ -63,6 +63,23 @@ x, w = Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)
 print(wgmma(Device.DEFAULT), tuned(x, w), linear(x, w).realize().shape)
 """
 
+BACKWARD = """
+import itertools
+from collections import Counter
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
+from tinygrad.uop.ops import Ops
+from model import GPT, GPTConfig
+import zo
+model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)  # windows 128 and 256, value embeddings on block 1
+x = Tensor(np.zeros((8, 256), np.int32)).realize()
+loss, g = zo.gradient(model, x, x)
+programs = [c.src[0] for c in loss.schedule_linear(*g).src if c.src[0].op is Ops.PROGRAM]
+for p in programs: NVRTCCompiler("sm_90a").compile(p.src[2].arg)  # every kernel's CUDA source (the NULL device compiles none)
+print(sorted(Counter("_".join(itertools.takewhile(lambda w: not w.isdigit(), p.arg.name.split("_"))) for p in programs).items()))
+"""
+
 def nvrtc() -> bool:
   try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
   except ModuleNotFoundError: return False
@@ -84,6 +101,19 @@ def test_compiled_for_the_h200():
   # wgmma on Hopper only: sm_90a's code doesn't load on a later GPU (a Blackwell RTX card, sm_120), which takes the mma.sync kernel
   r = run("CUDA", LATER, arch="sm_120")
   assert r.returncode == 0 and r.stdout.strip() == "False True (128, 512)", r.stderr[-3000:]
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_backward_for_the_h200():
+  # backprop through two blocks on the kernels: 13 linear layers (6 a block and the head), each a forward GEMM, one for dx and one for
+  # dw; two flash attentions, each with one dq and one dkv kernel; five norms and four QK-norms, each with its gradient; one loss and its
+  # gradient; the token and value embeddings' gradients; the four residual-mix scalars' sums.
+  # A gradient taken twice (tinygrad's autograd flows on past a target: a norm's two inputs, the stream and the attention's output, once
+  # counted the attention's backward twice) or falling back to tinygrad's ops changes the counts
+  r = run("CUDA", BACKWARD)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == str(sorted({"wgmma": 26, "grad_w": 13, "flash": 2, "flash_dq": 2, "flash_dkv": 2, "loss": 1,
+                                                          "loss_grad": 1, "embed_grad": 2, "norm": 5, "norm_grad": 5, "qk_norm": 4,
+                                                          "qk_norm_grad": 4, "dot": 4}.items())), r.stdout
 
 @pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
 def test_loss():

@@ -1,6 +1,7 @@
-"""The GPT's clean forward in PyTorch, from the same parameters: the benchmark's reference column (torch.compile), where torch is
-importable (the GPU machine has it; CI doesn't install it). It mirrors model.GPT.losses line for line; tests/bench.py checks that
-both give the same mean loss before it times anything."""
+"""The GPT in PyTorch, from the same parameters: the benchmark's reference columns, where torch is importable (the GPU machine has it;
+CI doesn't install it): the clean forward under torch.compile, and a backprop step (SGD with momentum, as the bench's backprop row) in
+bf16, eager and compiled. It mirrors model.GPT.losses line for line; tests/bench.py checks that both give the same mean loss before it
+times anything."""
 import time
 import numpy as np
 import torch
@@ -62,11 +63,33 @@ def forward_tok_s(cfg, arrays:dict[str, np.ndarray], x:np.ndarray, y:np.ndarray,
     if device == "cuda": torch.cuda.synchronize()
   return x.size * n / (time.perf_counter() - st), loss
 
-if __name__ == "__main__":  # tests/bench.py: python torch_ref.py in.npz config.json; in.npz: the batch x, y and GPT's arrays
+def backprop_step(cfg, arrays:dict[str, np.ndarray], x:np.ndarray, y:np.ndarray, compiled:bool, n:int=10) -> tuple[float, float]:
+  """(seconds a step, peak GiB allocated) of backprop on the GPU: the mean loss's gradient by autograd, the forward in bf16 from float32
+  parameters (as a user of PyTorch would train), then SGD with momentum; the forward under torch.compile if `compiled`."""
+  ref = GPT(cfg, arrays, "cuda", torch.bfloat16)
+  params = [p.requires_grad_(True) for p in ref.p.values()]
+  opt = torch.optim.SGD(params, lr=1e-5, momentum=0.9)  # a small lr: the timed steps leave the weights near where they were
+  xt, yt = (torch.from_numpy(a.astype(np.int64)).cuda() for a in (x, y))
+  f = torch.compile(ref.losses) if compiled else ref.losses
+  def step():
+    opt.zero_grad(set_to_none=True)
+    f(xt, yt).mean().backward()
+    opt.step()
+  for _ in range(3): step()
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  st = time.perf_counter()
+  for _ in range(n): step()
+  torch.cuda.synchronize()
+  return (time.perf_counter() - st) / n, torch.cuda.max_memory_allocated() / 2**30
+
+if __name__ == "__main__":  # tests/bench.py: python torch_ref.py in.npz config.json [forward|backprop]; in.npz: the batch x, y and GPT's arrays
   import json, os, sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from model import GPTConfig  # the config only: no tinygrad device is opened in this process
   data = dict(np.load(sys.argv[1]))
   x, y = data.pop("x"), data.pop("y")
-  print(*forward_tok_s(GPTConfig(**json.loads(sys.argv[2])), data, x, y))
+  cfg = GPTConfig(**json.loads(sys.argv[2]))
+  if sys.argv[3:] == ["backprop"]: print(*backprop_step(cfg, data, x, y, False), *backprop_step(cfg, data, x, y, True))
+  else: print(*forward_tok_s(cfg, data, x, y))
 
