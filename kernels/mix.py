@@ -1,7 +1,7 @@
 """One scalar of a vector times a tensor, w[i] x: the GPT's residual mix (DUST.md §1), and on NVIDIA GPUs its gradient for w as a CUDA
 kernel. tinygrad differentiates it as one sum of dy x over the whole stream, which it ran in blocks of 16 threads: the 16 scalars took
 2.6 ms of a dust-preset backprop step (H200). DOT gives each of BLOCKS blocks of 256 threads a slice of the stream, and tinygrad adds
-their sums; it writes dx = w[i] dy as it reads dy.
+their sums.
 """
 import functools
 from typing import Callable
@@ -34,7 +34,8 @@ def scale(w:Tensor, i:int, x:Tensor) -> Tensor:
 
 @functools.cache
 def grad(i:int) -> Callable:
-  """scale's grad_fxn for index i: dw = one-hot(i) sum(dy x), dx = w[i] dy, both from DOT."""
+  """scale's grad_fxn for index i: dw = one-hot(i) sum(dy x), the sum from DOT; dx = w[i] dy, which tinygrad fuses into the stream's
+  other gradients (DOT writing it too measured no faster: docs/performance.md)."""
   def fxn(dy:UOp, call:UOp) -> tuple[UOp|None, ...]:
     w, x, g = Tensor(call.src[1]), Tensor(call.src[2]), Tensor(dy).float()
     N, name = x.numel(), f"dot_{x.numel()}"

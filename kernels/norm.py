@@ -7,7 +7,7 @@ the two norms of the residual stream ~0.6 ms. The kernels read each row once and
 - norm, the stream's norm (of a sum h + y where the block adds its attention output y), cast to the layers' dtype: a warp per row.
 Their gradients (for backprop) are kernels of the same shapes: with u the normed vector (RoPE's output, or h + y), r = 1 / rms(u) and
 dy the output's gradient, du = r dy - r^3 u mean(dy u), and for qk_norm dx is du rotated back (RoPE's transpose). tinygrad's autograd
-of the tensor ops spent ~6 ms on them in a dust-preset backprop step (H200), in reductions that read the rows with few threads.
+of the tensor ops spent 4.7 ms on them in a dust-preset backprop step (H200), in reductions that read the rows with few threads.
 """
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
