@@ -24,7 +24,8 @@ from kernels.embed import embedding
 from kernels.loss import fits, softcapped_loss
 from kernels.matmul import activate, linear
 from kernels.mix import scale
-from kernels.noise import fold, runs
+from kernels.jitter import jitter
+from kernels.noise import fold
 from kernels.perturb import per_member
 from kernels.norm import norm, qk_norm, rms
 
@@ -104,10 +105,6 @@ class Pass:
     self.model, self.jitter, self.rec, self.depth = model, jitter or {}, rec, None
     self.params, self.dtype = model.params if params is None else params, model.dtype
 
-  def linear_out(self, name:str, x:Tensor, act:str|None=None) -> Tensor:
-    w, x = self.params[name + ".weight"], x.cast(self.dtype)
-    return linear(x, w, act) if isinstance(w, Tensor) else w.linear(x, self.dtype, act)
-
   def embed(self, name:str, idx:Tensor) -> Tensor:
     w = self.params[name + ".weight"]
     return self.site(name, idx, embedding(w, idx, self.dtype) if isinstance(w, Tensor) else w.embed(idx, self.dtype))
@@ -117,16 +114,19 @@ class Pass:
     if not isinstance(w, Tensor): return w.scale(i, x)
     return scale(w, i, x) if w.ndim == 1 else per_member(w[:, i], x)
 
-  def site(self, name:str, inp:Tensor|None, out:Tensor) -> Tensor:
+  def noise(self, name:str) -> tuple|None:  # a jittered site's (key, sigma, *kind): k [2], or [G, 2]: G chunks of the batch, each with its
+    if name not in self.jitter: return None     # own key; Gaussian unless kind names another
+    k, sigma, *kind = self.jitter[name]
+    return self.model.site_key(k, self.depth), sigma, *kind
+
+  def site(self, name:str, inp:Tensor|None, out:Tensor, jittered:bool=False) -> Tensor:
     if self.rec is not None: self.rec[name + self.model.tag(self.depth)], self.rec[name + ":in" + self.model.tag(self.depth)] = out, inp
-    if name in self.jitter:
-      k, sigma, *noise = self.jitter[name]  # k [2], or [G, 2]: G chunks of the batch, each with its own key; Gaussian unless named
-      # contiguous: the noise fuses into the producer's epilogue, and is never recomputed inside the consumer's matmul loops
-      out = (out + (sigma * runs(self.model.site_key(k, self.depth), out.shape, *noise)).cast(out.dtype)).contiguous()
-    return out
+    return out if jittered or (noise := self.noise(name)) is None else jitter(out, *noise)
 
   def linear(self, name:str, x:Tensor, act:str|None=None) -> Tensor:  # act(x) is the layer's input (kernels/matmul.py's ACTS)
-    return self.site(name, activate(x, act), self.linear_out(name, x, act))
+    w, xc = self.params[name + ".weight"], x.cast(self.dtype)
+    if not isinstance(w, Tensor): return self.site(name, activate(x, act), w.linear(xc, self.dtype, act))
+    return self.site(name, activate(x, act), linear(xc, w, act, self.noise(name)), jittered=True)  # the noise in the matmul's epilogue
 
 class GPT:
   def __init__(self, cfg:GPTConfig, seed:int=0, dtype:DType=dtypes.float32):

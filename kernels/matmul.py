@@ -29,6 +29,7 @@ from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
 from kernels.cuda import available, operands, program, sm
+from kernels.jitter import NOISE, jitter, literal, parts, tag
 
 TILE = (128, 128, 32)  # M, N, K of a block's step: the shapes must divide
 # name -> (the tensor op, the same in CUDA on half2 v, its gradient (x, d act(x)) -> dx, and that in CUDA on floats a, b times the derivative
@@ -48,9 +49,26 @@ TILES = r"""
 // 64-byte swizzle that Hopper's wgmma reads (bytes 16-31 of an address xor bytes 128-255's bits)
 __device__ __forceinline__ int swz(int r, int c) {{ return r * BK + ((c ^ ((r >> 1) & 3)) << 3); }}
 __device__ __forceinline__ unsigned act(unsigned u) {{ half2 v = *(half2 *)&u; {ACT} return *(unsigned *)&v; }}
-// two neighbouring outputs as half; in the gradient of an activation, first times its derivative at the same place of X (XAT)
+#define SIGMA {SIGMA}  // a jitter site's scale (kernels/jitter.py), 0 for none
+#define RUN_ROWS {RUN_ROWS}  // rows of C that one key's noise covers
+{NOISE}
+// the noise words of C's rows r and r + 8 at columns c and c + 1 (c even) for this lane: threefry call (r N + c) / 4 gives the four
+// columns of lanes l and l ^ 1, l even, a word each. So lane l draws row r's call, l ^ 1 row r + 8's, and they swap the word the other needs
+__device__ __forceinline__ uint2 words(const unsigned *key, size_t r, size_t c, int lane) {{
+  if (!SIGMA) return make_uint2(0, 0);
+  const int odd = lane & 1;
+  const size_t row = r + 8 * odd;
+  const unsigned *k = key + row / RUN_ROWS * 2;
+  const uint2 w = threefry((unsigned)((row % RUN_ROWS * N + c) / 4), k[0], k[1]);
+  const unsigned got = __shfl_xor_sync(0xffffffff, odd ? w.x : w.y, 1);
+  return odd ? make_uint2(got, w.y) : make_uint2(w.x, got);
+}}
+// two neighbouring outputs as half; in the gradient of an activation, first times its derivative at the same place of X (XAT); at a
+// jitter site, plus sigma times the Gaussians of noise word w
 #define XAT(i) {XAT}
-__device__ __forceinline__ unsigned out(float a, float b, const half *x) {{ {DACT} return pack(a, b); }}
+__device__ __forceinline__ unsigned out(float a, float b, const half *x, unsigned w) {{
+  {DACT} return SIGMA ? jittered(pack(a, b), w, SIGMA) : pack(a, b);
+}}
 // a 128 x BK tile of each operand into a stage: 512 chunks of 16 bytes each, two per thread (unrolled: as a loop, the wgmma kernel
 // lost 25% at N = 2048)
 __device__ __forceinline__ void load(half *sa, half *sb, const half *a, const half *b, int tid, int k0) {{
@@ -65,7 +83,8 @@ __device__ __forceinline__ void load(half *sa, half *sb, const half *a, const ha
 """
 
 SOURCE = TILES + r"""
-extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B{X_ARG}) {{
+extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A,
+                                                              const half *__restrict__ B{X_ARG}{KEY_ARG}) {{
   __shared__ __align__(128) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
   const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
@@ -100,8 +119,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
     #pragma unroll
     for (int ni = 0; ni < 4; ni++) {{
       size_t r = (size_t)blockIdx.y * 128 + wm + mi * 16 + (lane >> 2), c = blockIdx.x * 128 + wn + ni * 8 + (lane & 3) * 2;
-      *(unsigned *)(C + r * N + c) = out(acc[mi][ni][0], acc[mi][ni][1], XAT(r * N + c));
-      *(unsigned *)(C + (r + 8) * N + c) = out(acc[mi][ni][2], acc[mi][ni][3], XAT((r + 8) * N + c));
+      const uint2 w = words({KEY}, r, c, lane);
+      *(unsigned *)(C + r * N + c) = out(acc[mi][ni][0], acc[mi][ni][1], XAT(r * N + c), w.x);
+      *(unsigned *)(C + (r + 8) * N + c) = out(acc[mi][ni][2], acc[mi][ni][3], XAT((r + 8) * N + c), w.y);
     }}
 }}
 """
@@ -116,7 +136,8 @@ HOPPER = TILES + r"""
 __device__ __forceinline__ unsigned long long desc(const half *p) {{ return (smem(p) & 0x3ffff) >> 4 | 1ull << 16 | 32ull << 32 | 2ull << 62; }}
 __device__ __forceinline__ void wgmma(float (&d)[64], unsigned long long da, unsigned long long db) {{ """ + WGMMA + r""" }}
 
-extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A, const half *__restrict__ B{X_ARG}) {{
+extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A,
+                                                              const half *__restrict__ B{X_ARG}{KEY_ARG}) {{
   __shared__ __align__(1024) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
   const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
@@ -145,8 +166,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
   #pragma unroll
   for (int i = 0; i < 16; i++) {{  // as mma.sync's 16x8 tiles: warp w of the group holds rows 16 w + lane / 4 (+ 8), columns 8 i + 2 (lane % 4) (+ 1)
     size_t r = (size_t)blockIdx.y * 128 + wg * 64 + warp * 16 + (lane >> 2), c = blockIdx.x * 128 + i * 8 + (lane & 3) * 2;
-    *(unsigned *)(C + r * N + c) = out(acc[4 * i], acc[4 * i + 1], XAT(r * N + c));
-    *(unsigned *)(C + (r + 8) * N + c) = out(acc[4 * i + 2], acc[4 * i + 3], XAT((r + 8) * N + c));
+    const uint2 w = words({KEY}, r, c, lane);
+    *(unsigned *)(C + r * N + c) = out(acc[4 * i], acc[4 * i + 1], XAT(r * N + c), w.x);
+    *(unsigned *)(C + (r + 8) * N + c) = out(acc[4 * i + 2], acc[4 * i + 3], XAT((r + 8) * N + c), w.y);
   }}
 }}
 """
@@ -222,21 +244,24 @@ SPLIT = 256  # blocks that fill an H200 (132 SMs, two blocks each): the tokens a
 def wgmma(device:str) -> bool:  # Hopper exactly: code for sm_90a, the target with wgmma, doesn't run on later GPUs (sm_100, sm_120)
   return sm(device) == 90
 
-def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=None) -> Tensor:
+def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=None, noise:tuple[Tensor, float]|None=None) -> Tensor:
   """act(x) [M, K] @ w [N, K].T in half, as one kernel; or with w [G, N, K], rows [g M/G, (g+1) M/G) of x times weight g. With
-  dact = (act, a), a [M, N], the product times act'(a): the gradient of an activation that a layer applied to its input a."""
+  dact = (act, a), a [M, N], the product times act'(a): the gradient of an activation that a layer applied to its input a. With
+  noise = (key, sigma), a jitter site's: plus sigma times kernels/jitter.py's Gaussians, drawn in the epilogue."""
   (M, K), (N, G) = x.shape, (w.shape[-2], 1 if w.ndim == 2 else w.shape[0])
   hopper = wgmma(x.device)
   name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_x{G}" if G > 1 else "") + (f"_{act}" if act else "") + \
-    (f"_d{dact[0]}" if dact else "")
+    (f"_d{dact[0]}" if dact else "") + (f"_j{tag(*noise)}" if noise else "")
   src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ROWS=M // G, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None),
                                               DACT=ACTS[dact[0]][3] if dact else "", X_ARG=", const half *__restrict__ X" if dact else "",
-                                              XAT="X + (i)" if dact else "nullptr")
-  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3 + bool(dact), 2 * M * N * K, 2 * (M * K + G * N * K + M * N),
-                "sm_90a" if hopper else None)
+                                              XAT="X + (i)" if dact else "nullptr", NOISE=NOISE, SIGMA=literal(noise[1]) if noise else "0.f",
+                                              RUN_ROWS=M // parts(noise[0]) if noise else 1, KEY="key" if noise else "nullptr",
+                                              KEY_ARG=", const unsigned *__restrict__ key" if noise else "")
+  fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3 + bool(dact) + bool(noise), 2 * M * N * K,
+                2 * (M * K + G * N * K + M * N), "sm_90a" if hopper else None)
   # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
-  out = Tensor.empty(M, N, dtype=dtypes.half, device=x.device)
-  return out.custom_kernel(x, w.cast(dtypes.half), *([dact[1]] if dact else []), fxn=fxn, grad_fxn=grad(act) if G == 1 and not dact else None)[0]
+  out, extra = Tensor.empty(M, N, dtype=dtypes.half, device=x.device), ([dact[1]] if dact else []) + ([noise[0].cast(dtypes.uint32)] if noise else [])
+  return out.custom_kernel(x, w.cast(dtypes.half), *extra, fxn=fxn, grad_fxn=grad(act) if G == 1 and not dact and not noise else None)[0]
 
 def weight_grad(dy:Tensor, x:Tensor, act:str|None) -> Tensor:
   """dy [M, N]^T @ act(x) [M, K] -> float32 [N, K] (GRAD_W), the tokens split into S parts whose sums are added after."""
@@ -272,11 +297,20 @@ def tuned(x:Tensor, w:Tensor) -> bool:
 
 def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x
 
-def linear(x:Tensor, w:Tensor, act:str|None=None) -> Tensor:
+def linear(x:Tensor, w:Tensor, act:str|None=None, noise:tuple|None=None) -> Tensor:
   """act(x) @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights); or w [G, N, K], a weight for each
   of G equal groups of x's rows (the members of a population, kernels/perturb.py). Materialized either way, so that no reduction
-  downstream (a norm, the loss) recomputes the matmul inside its own loop."""
-  if tuned(x, w): return matmul(x.reshape(-1, x.shape[-1]), w, act).reshape(*x.shape[:-1], w.shape[-2])
+  downstream (a norm, the loss) recomputes the matmul inside its own loop. `noise` = (key, sigma, *kind), a jitter site's: the
+  product plus kernels/jitter.py's noise, drawn in the kernel's epilogue where it can be (`epilogue`)."""
+  fused = noise is not None and tuned(x, w) and epilogue(x, w, noise)
+  y = matmul(x.reshape(-1, x.shape[-1]), w, act, noise=noise[:2] if fused else None).reshape(*x.shape[:-1], w.shape[-2]) if tuned(x, w) \
+    else product(x, w, act)
+  return y if noise is None or fused else jitter(y, *noise)
+
+def epilogue(x:Tensor, w:Tensor, noise:tuple) -> bool:  # whether matmul draws a site's noise: Gaussian, one weight, runs of 16 rows
+  return w.ndim == 2 and tuple(noise[2:]) in ((), ("gaussian",)) and x.numel() // x.shape[-1] % (16 * parts(noise[0])) == 0
+
+def product(x:Tensor, w:Tensor, act:str|None) -> Tensor:  # linear where matmul's tiles don't apply
   if w.ndim == 2 and available(x.device): return untiled(activate(x, act).reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
   if w.ndim == 2: return (activate(x, act) @ w.cast(x.dtype).T).contiguous()
   xg = activate(x, act).reshape(w.shape[0], -1, x.shape[-1])

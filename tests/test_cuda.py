@@ -80,6 +80,23 @@ for p in programs: NVRTCCompiler("sm_90a").compile(p.src[2].arg)  # every kernel
 print(sorted(Counter("_".join(itertools.takewhile(lambda w: not w.isdigit(), p.arg.name.split("_"))) for p in programs).items()))
 """
 
+JITTERED = """
+from collections import Counter
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
+from tinygrad.uop.ops import Ops
+from kernels.noise import fold, key
+from model import GPT, GPTConfig
+model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)
+x, ks = Tensor(np.zeros((8, 256), np.int32)).realize(), fold(key(1), Tensor.arange(2)).contiguous().realize()  # 2 runs of 4 sequences
+sites = ["transformer.wte", "o@0", "o@1"] + [f"transformer.h.{l}.{s}" for l in range(2) for s in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+programs = [c.src[0] for c in model.losses(x, x, {s: (ks, 0.1) for s in sites}).schedule_linear().src if c.src[0].op is Ops.PROGRAM]
+for p in programs: NVRTCCompiler("sm_90a").compile(p.src[2].arg)  # every kernel's CUDA source (the NULL device compiles none)
+print(sorted(Counter("jittered gemm" if p.arg.name.endswith("_j2_0p1") else "jitter" if p.arg.name.startswith("jitter_") else
+                     "tinygrad threefry" if "466688986" in p.src[2].arg else "other" for p in programs).items()))
+"""
+
 def nvrtc() -> bool:
   try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
   except ModuleNotFoundError: return False
@@ -153,3 +170,12 @@ def test_norm(add:bool):
   out = norm(Tensor(x.astype(np.float32)), dtypes.half, Tensor(y) if add else None).numpy()
   assert out.dtype == np.float16
   np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3)  # the output in half: 2^-11 relative, values up to ~4
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_jittered_for_the_h200():
+  # a forward jittered at every Dust direct site of two blocks, 2 keys' runs: the 6 linear sites' noise in their GEMMs' epilogue, the
+  # embedding's and the 2 attention outputs' in kernels/jitter.py's kernel, and no noise left to tinygrad's own kernels
+  r = run("CUDA", JITTERED)
+  assert r.returncode == 0, r.stderr[-3000:]
+  counts = dict(eval(r.stdout.strip().splitlines()[-1]))
+  assert counts.get("jittered gemm") == 6 and counts.get("jitter") == 3 and "tinygrad threefry" not in counts, counts
