@@ -302,9 +302,10 @@ def linear(x:Tensor, w:Tensor, act:str|None=None, noise:tuple|None=None) -> Tens
   of G equal groups of x's rows (the members of a population, kernels/perturb.py). Materialized either way, so that no reduction
   downstream (a norm, the loss) recomputes the matmul inside its own loop. `noise` = (key, sigma, *kind), a jitter site's: the
   product plus kernels/jitter.py's noise, drawn in the kernel's epilogue where it can be (`epilogue`)."""
-  fused = noise is not None and tuned(x, w) and epilogue(x, w, noise)
-  y = matmul(x.reshape(-1, x.shape[-1]), w, act, noise=noise[:2] if fused else None).reshape(*x.shape[:-1], w.shape[-2]) if tuned(x, w) \
-    else product(x, w, act)
+  if not tuned(x, w): y, fused = product(x, w, act), False
+  else:
+    fused = noise is not None and epilogue(x, w, noise)
+    y = matmul(x.reshape(-1, x.shape[-1]), w, act, noise=noise[:2] if fused else None).reshape(*x.shape[:-1], w.shape[-2])
   return y if noise is None or fused else jitter(y, *noise)
 
 def epilogue(x:Tensor, w:Tensor, noise:tuple) -> bool:  # whether matmul draws a site's noise: Gaussian, one weight, runs of 16 rows
