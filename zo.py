@@ -17,6 +17,7 @@ from tinygrad import Context, Tensor, Variable, dtypes, nn
 from tinygrad.uop.ops import UOp
 from kernels.noise import NOISES, fold, key as root_key
 from kernels.perturb import Population, combine
+from kernels import sgd
 from model import allocated, jitted, per_call
 from data import BPE, Bytes
 from devices import names, spread
@@ -41,10 +42,13 @@ class Flat:
   input, where the gradients would be one each, and a JIT's inputs cost host time each: 50 of them took longer than the small
   preset's backprop step (NULL device, 2 CPU cores)."""
   buf:Tensor  # (D,) float32
+  sums:Tensor|None = None  # (the loss, the buffer's sum of squares), where the JIT that wrote it computed them for `checked`
+
+  def offsets(self, params:dict[str, Tensor]) -> dict[str, int]:  # where each parameter's gradient starts
+    return {n: e - p.numel() for (n, p), e in zip(params.items(), itertools.accumulate(p.numel() for p in params.values()))}
 
   def dense(self, params:dict[str, Tensor]) -> dict[str, Tensor]:  # views into the buffer
-    ends = itertools.accumulate(p.numel() for p in params.values())
-    return {n: self.buf[e - p.numel():e].reshape(p.shape) for (n, p), e in zip(params.items(), ends)}
+    return {n: self.buf[a:a + p.numel()].reshape(p.shape) for (n, p), a in zip(params.items(), self.offsets(params).values())}
 
 # ***** the estimators: (model, x, y, pop, key) -> (estimate, mean clean-ish loss) *****
 
@@ -126,11 +130,11 @@ def gradient(model, x:Tensor, y:Tensor) -> tuple[Tensor, list[Tensor]]:
   losses = model.losses(x, y)
   return losses.mean(), [g / losses.numel() for g in losses.sum().gradient(*model.params.values())]
 
-def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor]:
+def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
   loss, grads = gradient(model, x, y)
   buf = Tensor.empty(model.num_params(), device=x.device)
   Tensor.realize(*[part.assign(t) for part, t in zip(Flat(buf).dense(model.params).values(), grads)])  # each written into its part
-  return buf, loss
+  return buf, loss, flat_squares(model, loss, buf)  # the finite check's sums here: a JIT of their own cost its host time every step
 
 def backprop(model, x:Tensor, y:Tensor) -> tuple[Flat, Tensor]:
   """The gradient as a Flat, and the mean loss, by one TinyJit per batch shape as for the ZO passes (eagerly, every step would build and
@@ -138,8 +142,8 @@ def backprop(model, x:Tensor, y:Tensor) -> tuple[Flat, Tensor]:
   made tinygrad rebuild the JIT's CUDA graphs, 4 ms of host time a step at the small preset, NULL device): the training loop uses it
   before then, and `estimate` copies it. The weights are no input either: the JIT reads them from the model, where the optimizer
   updates them in place."""
-  buf, loss = jitted(backprop_pass, model, x.shape)(x, y)
-  return Flat(buf), loss
+  buf, loss, sums = jitted(backprop_pass, model, x.shape)(x, y)
+  return Flat(buf, sums), loss
 
 def run_estimator(model, x:Tensor, y:Tensor, method:str, pop:int, key:int, **opts) -> tuple[Compact|Flat|dict[str, Tensor], Tensor]:
   if method == "mezo": return mezo(model, x, y, pop, root_key(key), **opts)
@@ -219,7 +223,17 @@ def update(opt:Optimizer, grads:dict[str, Tensor], scale:Tensor):
   for p in opt.params.values(): p.grad = None  # the capture's graph, which nothing reads again
 
 def dense_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int): update(opt, Compact(keys, coef, rank).dense(opt.params), scale)
-def flat_update(opt:Optimizer, buf:Tensor, scale:Tensor): update(opt, Flat(buf).dense(opt.params), scale)
+def flat_update(opt:Optimizer, buf:Tensor, scale:Tensor):
+  """update() on a Flat; SGD with momentum on NVIDIA as kernels/sgd.py's one kernel a parameter, which writes theta and b in place."""
+  if not (opt.kind == "sgd" and opt.momentum and all(sgd.fits(p, buf) for p in opt.params.values())):
+    return update(opt, Flat(buf).dense(opt.params), scale)
+  at = {id(p): a for p, a in zip(opt.params.values(), Flat(buf).offsets(opt.params).values())}
+  for o, lr in opt.opts:
+    o.lr.assign(scale * lr)
+    for p, b in zip(o.params, o.b):
+      theta, m = sgd.step(p, b, buf, at[id(p)], o.lr, opt.momentum)
+      p.replace(theta); b.replace(m)  # the kernel's outputs are p's and b's own buffers (an assign of them would be a cycle)
+  Tensor.realize(*opt.params.values(), *[b for o, _ in opt.opts for b in o.b])
 
 def replay_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int):
   """Push this step's (keys, coef) into the history, then θ <- θ - lr scale sum_{a<W} μ^a g_{t-a}, every g regenerated from its seeds."""
@@ -378,17 +392,24 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
 def squares(model, loss:Tensor, named:dict[str, Tensor]) -> Tensor:
   return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum() for t in named.values()])
 
-def flat_squares(model, loss:Tensor, buf:Tensor) -> Tensor: return squares(model, loss, Flat(buf).dense(model.params))
+def flat_squares(model, loss:Tensor, buf:Tensor) -> Tensor:
+  """The loss and the gradient's sum of squares. Summed as rows of 256 (zeros pad it to whole rows), then the rows: tinygrad splits a
+  sum by the small factors of its length, and 37,749,776 = 16 x a prime, so the plain sum ran in 16 threads (132 ms at the dust preset)."""
+  rows = buf.pad((0, -buf.numel() % 65536)).reshape(-1, 256).square().sum(1)
+  return Tensor.stack(loss.float().reshape(()), rows.contiguous().sum())
 
 def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
   """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built eagerly at every
-  step, the sums' graph took longer than a small model's whole step)."""
-  if isinstance(g, Flat): named, vals = model.params, jitted(flat_squares, model, g.buf.shape)(loss, g.buf).numpy()
+  step, the sums' graph took longer than a small model's whole step); backprop's JIT makes the sums with its gradient. A Flat is
+  summed whole (one sum a parameter was 42 kernels at the small preset), and only a non-finite one is searched for the parameter."""
+  if isinstance(g, Flat):
+    named, vals = {"the gradient": g.buf}, (g.sums if g.sums is not None else jitted(flat_squares, model, g.buf.shape)(loss, g.buf)).numpy()
   else:
     named = {"coefficients": g.coef} if isinstance(g, Compact) else g
     vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()
   if not math.isfinite(vals[0]): raise UsageError(f"step {step}: the training loss is {vals[0]}; the last good checkpoint is in {out}")
   if bad := [n for n, v in zip(named, vals[1:]) if not math.isfinite(v)]:
+    if isinstance(g, Flat): bad = [n for n, t in g.dense(model.params).items() if not t.isfinite().all().item()] or bad
     raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite; the last good checkpoint is in {out}")
   return float(vals[0])
 

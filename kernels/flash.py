@@ -12,8 +12,9 @@ fill the 48 KB of static shared memory. q and k may hold fewer sequences than v,
 s % QB: a Dust draw batch's n copies of the clean q and k, never made (SOURCE_DELTA below takes the same).
 
 The gradient (`grad`, for backprop) is FlashAttention-2's, in two kernels that recompute the weights instead of storing them: with
-P = w / Z (Z, the row sums, the forward's second output), D_i = do_i . o_i and dS = P (do v^T - D), dq = dS k / sqrt(hd) by blocks of
-queries (SOURCE_DQ), and dk = dS^T q / sqrt(hd), dv = P^T do by blocks of keys (SOURCE_DKV).
+P = w / Z (Z, the row sums), D_i = do_i . o_i and dS = P (do v^T - D), dq = dS k / sqrt(hd) by blocks of queries (SOURCE_DQ), and
+dk = dS^T q / sqrt(hd), dv = P^T do by blocks of keys (SOURCE_DKV). The forward's second output is 1 / Z, so that the backward
+multiplies where it would divide (a division is a dozen instructions without fast math, and these kernels make one a weight).
 """
 import functools, math
 from typing import Callable
@@ -115,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ O, f
     __syncthreads();  // every warp is done with this stage before the next step's copies overwrite it
   }}
   l0 = rowsum(l0); l1 = rowsum(l1);
-  if (!(lane & 3)) {{ Z[(size_t)blockIdx.y * T + qr] = l0; Z[(size_t)blockIdx.y * T + qr + 8] = l1; }}  // for the gradient (SOURCE_DQ)
+  if (!(lane & 3)) {{ Z[(size_t)blockIdx.y * T + qr] = 1.f / l0; Z[(size_t)blockIdx.y * T + qr + 8] = 1.f / l1; }}  // for the gradient
   half *out = O + head + (size_t)qr * RS + (lane & 3) * 2;
   #pragma unroll
   for (int ni = 0; ni < 8; ni++) {{
@@ -201,16 +202,16 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(float *__restrict__ O, 
 """
 
 # dq for 64 queries a block (4 warps of 16), and the D of those queries, for SOURCE_DKV: over the key blocks the queries see, dP = do v^T
-# (v as the B operand, like k in S = q k^T), dS = w / Z (dP - D) with Z the forward's row sums, and dq += dS k (k as the B operand, like
+# (v as the B operand, like k in S = q k^T), dS = w / Z (dP - D) with 1 / Z from the forward, and dq += dS k (k as the B operand, like
 # v in o += w v).
 SOURCE_DQ = TILE + r"""
 extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DQ, float *__restrict__ DS, const half *__restrict__ Q,
-    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ O, const half *__restrict__ DO, const float *__restrict__ ZS) {{
+    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ O, const half *__restrict__ DO, const float *__restrict__ RZ) {{
   __shared__ __align__(128) half buf[4 * 64 * 64];  // q and do at first; then stage s: k in slot s, v in slot 2 + s
   __shared__ float sd[64];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s0 = (gridDim.x - 1 - blockIdx.x) * 64;  // the longest rows first
-  const size_t head = head_of(blockIdx.y), row0 = (size_t)blockIdx.y * T + s0;  // Z and D are [sequence x head, T]
+  const size_t head = head_of(blockIdx.y), row0 = (size_t)blockIdx.y * T + s0;  // 1 / Z and D are [sequence x head, T]
   const half *k = K + head, *v = V + head;
   auto tile = [&](half *dst, const half *src, int row) {{
     for (int c = tid; c < 64 * 8; c += 128) cp_async(dst + swz(c >> 3, c & 7), src + (size_t)(row + (c >> 3)) * RS + (c & 7) * 8);
@@ -234,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DQ, 
   unsigned qf[4][4], df[4][4];  // the warp's rows of q and do
   load_rows(qf, buf, warp * 16, lane); load_rows(df, buf + 4096, warp * 16, lane);
   const int r0 = warp * 16 + (lane >> 2);  // this lane's rows are r0 and r0 + 8 of the block
-  const float d0 = sd[r0], d1 = sd[r0 + 8], z0 = ZS[row0 + r0], z1 = ZS[row0 + r0 + 8];
+  const float d0 = sd[r0], d1 = sd[r0 + 8], rz0 = RZ[row0 + r0], rz1 = RZ[row0 + r0 + 8];
   __syncthreads();  // every warp has its rows before the keys overwrite them
   const int first = max(0, s0 - WINDOW) / 64, last = (s0 + 63) / 64;
   const int q0 = s0 + warp * 16, qr = s0 + r0;
@@ -261,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DQ, 
         #pragma unroll
         for (int c = 0; c < 4; c++) {{
           const float w = weight(s[ni][c], !edge || seen(qr, t, c));
-          g[c] = c < 2 ? w / z0 * (dp[ni][c] - d0) : w / z1 * (dp[ni][c] - d1);
+          g[c] = c < 2 ? w * rz0 * (dp[ni][c] - d0) : w * rz1 * (dp[ni][c] - d1);
         }}
         ds[ni][0] = pack(g[0], g[1]); ds[ni][1] = pack(g[2], g[3]);
       }}
@@ -282,10 +283,10 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DQ, 
 # dP^T = v do^T (q and do as B operands), then dv += P^T do and dk += dS^T q (q and do as B operands the other way, like v in mix)
 SOURCE_DKV = TILE + r"""
 extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DK, half *__restrict__ DV, const half *__restrict__ Q,
-    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ DO, const float *__restrict__ ZS,
+    const half *__restrict__ K, const half *__restrict__ V, const half *__restrict__ DO, const float *__restrict__ RZ,
     const float *__restrict__ DS) {{
   __shared__ __align__(128) half buf[4 * 64 * 64];  // k and v at first; then stage s: q in slot s, do in slot 2 + s
-  __shared__ __align__(16) float sz[2][64], sd[2][64];  // the stages' queries' Z and D
+  __shared__ __align__(16) float srz[2][64], sd[2][64];  // the stages' queries' 1 / Z and D
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t0 = blockIdx.x * 64;  // the first keys, which the most queries see, first
   const size_t head = head_of(blockIdx.y), row0 = (size_t)blockIdx.y * T;
@@ -301,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DK, 
   const int first = t0 / 64, last = min(T - 1, t0 + 63 + WINDOW) / 64;
   auto stage = [&](int st, int j) {{
     tile(buf + st * 4096, q, j * 64); tile(buf + (2 + st) * 4096, dout, j * 64);
-    if (tid < 16) cp_async((half *)(sz[st] + 4 * tid), (const half *)(ZS + row0 + j * 64 + 4 * tid));
+    if (tid < 16) cp_async((half *)(srz[st] + 4 * tid), (const half *)(RZ + row0 + j * 64 + 4 * tid));
     else if (tid < 32) cp_async((half *)(sd[st] + 4 * (tid - 16)), (const half *)(DS + row0 + j * 64 + 4 * (tid - 16)));
   }};
   stage(0, first);
@@ -327,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DK, 
         #pragma unroll
         for (int c = 0; c < 4; c++) {{
           const int qi = i + (c & 1), lag = j * 64 + qi - (kr + (c >> 1) * 8);
-          pf[c] = weight(s[ni][c], !edge || (lag >= 0 && lag <= WINDOW)) / sz[st][qi];
+          pf[c] = weight(s[ni][c], !edge || (lag >= 0 && lag <= WINDOW)) * srz[st][qi];
           g[c] = pf[c] * (dp[ni][c] - sd[st][qi]);
         }}
         p[ni][0] = pack(pf[0], pf[1]); p[ni][1] = pack(pf[2], pf[3]); ds[ni][0] = pack(g[0], g[1]); ds[ni][1] = pack(g[2], g[3]);
@@ -362,12 +363,12 @@ def flash(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   src = SOURCE.format(NAME=name, T=T, WINDOW=window, RS=H * HD, QB=QB, SCALE=repr(1 / math.sqrt(HD)))
   # two matmuls of 2 hd flops a (query, key) pair
   fxn = program(q.device, name, src, (T // BQ, B * H), 256, 5, 4 * HD * B * H * pairs(T, window), 2 * 4 * B * H * T * HD, outs=2)
-  out, z = Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device), Tensor.empty(B * H * T, device=q.device)  # z: the row sums
+  out, z = Tensor.empty(B, T, H, HD, dtype=dtypes.half, device=q.device), Tensor.empty(B * H * T, device=q.device)  # z: 1 / the row sums
   return out.custom_kernel(z, q, k, v, fxn=fxn, grad_fxn=grad(window) if QB == B else None)[0]
 
 @functools.cache
 def grad(window:int) -> Callable:
-  """flash's grad_fxn (for q and k of every sequence, as backprop has them): SOURCE_DQ, then SOURCE_DKV, which reads its Z and D."""
+  """flash's grad_fxn (for q and k of every sequence, as backprop has them): SOURCE_DQ, then SOURCE_DKV, which reads its D and the forward's 1 / Z."""
   def fxn(do:UOp, call:UOp) -> tuple[UOp|None, ...]:
     o, z, q, k, v = operands(call)
     g, (B, T, H, _), dev = Tensor(do).cast(dtypes.half), q.shape, q.device

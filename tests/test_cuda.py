@@ -97,6 +97,25 @@ print(sorted(Counter("jittered gemm" if p.arg.name.endswith("_j2_0p1") else "jit
                      "tinygrad threefry" if "466688986" in p.src[2].arg else "other" for p in programs).items()))
 """
 
+UPDATE = """
+import contextlib, io, re
+from collections import Counter
+from tinygrad import Context, Tensor, dtypes
+from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
+from kernels.cuda import PRELUDE
+from kernels.sgd import SOURCE
+from model import GPT, GPTConfig
+import zo
+model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)
+lrs, mu = zo.group_lrs(model, "backprop", "sgd", None, 1)
+opt = zo.Optimizer(model.params, lrs, "sgd", mu, 0)
+buf, scale, out = Tensor.zeros(model.num_params()).contiguous().realize(), Tensor([1.0]).realize(), io.StringIO()
+with contextlib.redirect_stdout(out), Context(DEBUG=2): zo.flat_update(opt, buf, scale)
+NVRTCCompiler("sm_90").compile(PRELUDE + SOURCE.format(NAME="sgd", N=3000, OFFSET=3, MU="0.98"))  # the NULL device compiles none
+names = [re.sub(r"\\x1b\\[[0-9;]*m", "", line).split()[3] for line in out.getvalue().splitlines() if "***" in line]
+print(len(model.params), len(opt.opts), sorted(Counter("sgd" if n.startswith("sgd_") else "other" for n in names).items()))
+"""
+
 def nvrtc() -> bool:
   try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
   except ModuleNotFoundError: return False
@@ -131,6 +150,15 @@ def test_backward_for_the_h200():
   assert r.stdout.strip().splitlines()[-1] == str(sorted({"wgmma": 26, "grad_w": 13, "flash": 2, "flash_dq": 2, "flash_dkv": 2, "loss": 1,
                                                           "loss_grad": 1, "embed_grad": 2, "norm": 5, "norm_grad": 5, "qk_norm": 4,
                                                           "qk_norm_grad": 4, "dot": 4}.items())), r.stdout
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_update_for_the_h200():
+  # backprop's SGD update: one kernels/sgd.py kernel a parameter and each lr group's lr, nothing else (tinygrad's SGD was two kernels a
+  # parameter: falling back to it, or a copy of the gradient's parts, changes the counts)
+  r = run("CUDA", UPDATE)
+  assert r.returncode == 0, r.stderr[-3000:]
+  n, groups, counts = r.stdout.strip().splitlines()[-1].split(" ", 2)
+  assert counts == str([("other", int(groups)), ("sgd", int(n))]), r.stdout
 
 @pytest.mark.skipif(not fits(Tensor.empty(8, 256, dtype=dtypes.half), 15.0), reason="kernels/loss.py runs on NVIDIA GPUs (sm_80+) only")
 def test_loss():

@@ -161,6 +161,17 @@ def test_backprop_jit_follows_the_weights(setup):
   finally:
     for n, p in model.params.items(): p.assign(Tensor(saved[n])).realize()
 
+def test_checked_names_the_nonfinite_gradient(setup):
+  """backprop's gradient is checked whole, one sum of squares; a non-finite one still stops the step naming the parameter that holds it,
+  and a finite one passes with its loss."""
+  model, x, y, _ = setup
+  g, loss = zo.run_estimator(model, x, y, "backprop", 1, 0)
+  assert zo.checked(model, loss, g, 7, "out") == pytest.approx(loss.item())
+  names, buf = list(model.params), g.buf.numpy()
+  buf[sum(p.numel() for p in list(model.params.values())[:3]) + 1] = np.inf  # the second value of the fourth parameter
+  with pytest.raises(zo.UsageError, match=rf"step 7: the estimate of {re.escape(names[3])} is not finite"):
+    zo.checked(model, loss, zo.Flat(Tensor(buf)), 7, "out")
+
 # the estimates for key 1 on the fixture (one forward for all of es's members; mezo's directions one JIT call each): per parameter, the
 # projection on a fixed Gaussian vector and the norm. Recorded at 6c50254, and anew with four Gaussians a threefry call ([noise-gen]).
 # Evaluated in chunks, they must stay where they are.
