@@ -42,7 +42,7 @@ class Flat:
   input, where the gradients would be one each, and a JIT's inputs cost host time each: 50 of them took longer than the small
   preset's backprop step (NULL device, 2 CPU cores)."""
   buf:Tensor  # (D,) float32
-  sums:Tensor|None = None  # (the loss, the buffer's sum of squares), where the JIT that wrote it computed them for `checked`
+  sums:Tensor|None = None  # (the loss, the buffer's sum of squares): `checked` reads them, made by the JIT that wrote the buffer
 
   def offsets(self, params:dict[str, Tensor]) -> dict[str, int]:  # where each parameter's gradient starts
     return {n: e - p.numel() for (n, p), e in zip(params.items(), itertools.accumulate(p.numel() for p in params.values()))}
@@ -403,7 +403,7 @@ def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:
   step, the sums' graph took longer than a small model's whole step); backprop's JIT makes the sums with its gradient. A Flat is
   summed whole (one sum a parameter was 42 kernels at the small preset), and only a non-finite one is searched for the parameter."""
   if isinstance(g, Flat):
-    named, vals = {"the gradient": g.buf}, (g.sums if g.sums is not None else jitted(flat_squares, model, g.buf.shape)(loss, g.buf)).numpy()
+    named, vals = {"the gradient": g.buf}, g.sums.numpy()
   else:
     named = {"coefficients": g.coef} if isinstance(g, Compact) else g
     vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()

@@ -14,7 +14,7 @@ s % QB: a Dust draw batch's n copies of the clean q and k, never made (SOURCE_DE
 The gradient (`grad`, for backprop) is FlashAttention-2's, in two kernels that recompute the weights instead of storing them: with
 P = w / Z (Z, the row sums), D_i = do_i . o_i and dS = P (do v^T - D), dq = dS k / sqrt(hd) by blocks of queries (SOURCE_DQ), and
 dk = dS^T q / sqrt(hd), dv = P^T do by blocks of keys (SOURCE_DKV). The forward's second output is 1 / Z, so that the backward
-multiplies where it would divide (a division is a dozen instructions without fast math, and these kernels make one a weight).
+multiplies where it would divide (without fast math a division is a sequence of instructions, and these kernels made one a weight).
 """
 import functools, math
 from typing import Callable

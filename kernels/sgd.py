@@ -1,6 +1,6 @@
 """SGD with momentum, b <- mu b + g and theta <- theta - lr b, on NVIDIA GPUs as one CUDA kernel a parameter that writes b and theta in
 place. tinygrad writes the two assignments as two kernels, each in blocks of 32 threads, which on the H200 run far below the memory's
-rate (kernels/jitter.py): backprop's update took 1.9 ms at the dust preset, a tenth of its gradient. The gradient comes as zo.Flat's one
+rate (kernels/jitter.py): backprop's update took 1.6-1.9 ms at the dust preset (0.4-0.5 ms so). The gradient comes as zo.Flat's one
 buffer, read at the parameter's offset.
 """
 from tinygrad import Tensor, dtypes
