@@ -224,16 +224,15 @@ def update(opt:Optimizer, grads:dict[str, Tensor], scale:Tensor):
 
 def dense_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int): update(opt, Compact(keys, coef, rank).dense(opt.params), scale)
 def flat_update(opt:Optimizer, buf:Tensor, scale:Tensor):
-  """update() on a Flat; SGD with momentum on NVIDIA as kernels/sgd.py's one kernel a parameter, which writes theta and b in place."""
+  """update() on a Flat; SGD with momentum on NVIDIA as kernels/sgd.py's one kernel, which writes every theta and b in place."""
   if not (opt.kind == "sgd" and opt.momentum and all(sgd.fits(p, buf) for p in opt.params.values())):
     return update(opt, Flat(buf).dense(opt.params), scale)
   at = {id(p): a for p, a in zip(opt.params.values(), Flat(buf).offsets(opt.params).values())}
-  for o, lr in opt.opts:
-    o.lr.assign(scale * lr)
-    for p, b in zip(o.params, o.b):
-      theta, m = sgd.step(p, b, buf, at[id(p)], o.lr, opt.momentum)
-      p.replace(theta); b.replace(m)  # the kernel's outputs are p's and b's own buffers (an assign of them would be a cycle)
-  Tensor.realize(*opt.params.values(), *[b for o, _ in opt.opts for b in o.b])
+  for o, lr in opt.opts: o.lr.assign(scale * lr)
+  ps, bs, lrs = zip(*[(p, b, o.lr) for o, _ in opt.opts for p, b in zip(o.params, o.b)])
+  for t, new in zip(ps + bs, sgd.step(ps, bs, buf, [at[id(p)] for p in ps], lrs, opt.momentum)):
+    t.replace(new)  # the kernel's outputs are p's and b's own buffers (an assign of them would be a cycle)
+  Tensor.realize(*ps, *bs)
 
 def replay_update(opt:Optimizer, keys:Tensor, coef:Tensor, scale:Tensor, rank:int):
   """Push this step's (keys, coef) into the history, then θ <- θ - lr scale sum_{a<W} μ^a g_{t-a}, every g regenerated from its seeds."""

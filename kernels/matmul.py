@@ -42,12 +42,16 @@ TILES = r"""
 #define N {N}
 #define K {K}
 #define ROWS {ROWS}  // rows of A per weight: B holds one [N][K] weight for every ROWS rows
+#define NMAJOR {NMAJOR}  // B is one weight stored [K][N] instead (wgmma only): the weight of dx = dy w, read as stored
 #define BK 32
 #define STAGES 3
 // a tile row is BK halves, 4 chunks of 16 bytes; chunk c of row r is stored at c ^ ((r >> 1) & 3), so that the 8 rows that one
 // ldmatrix phase reads, and the 8 chunks that one cp.async phase writes, fall in 8 different 16-byte bank groups. It is also the
 // 64-byte swizzle that Hopper's wgmma reads (bytes 16-31 of an address xor bytes 128-255's bits)
 __device__ __forceinline__ int swz(int r, int c) {{ return r * BK + ((c ^ ((r >> 1) & 3)) << 3); }}
+// an N-major tile, BK rows k of 128 columns n, is 4 x 4 blocks of 8 rows of 32 columns (64 bytes, in the same swizzle): the block of
+// columns j and rows g is at (g * 4 + j) * 512 bytes. Chunk c (of 16) of row k is in block (k / 8, c / 4)
+__device__ __forceinline__ int swz_n(int k, int c) {{ return ((k >> 3) * 4 + (c >> 2)) * 256 + swz(k & 7, c & 3); }}
 __device__ __forceinline__ unsigned act(unsigned u) {{ half2 v = *(half2 *)&u; {ACT} return *(unsigned *)&v; }}
 #define SIGMA {SIGMA}  // a jitter site's scale (kernels/jitter.py), 0 for none
 #define RUN_ROWS {RUN_ROWS}  // rows of C that one key's noise covers
@@ -76,7 +80,8 @@ __device__ __forceinline__ void load(half *sa, half *sb, const half *a, const ha
   for (int i = 0; i < 2; i++) {{
     int c = tid + i * 256, r = c >> 2, ch = c & 3;
     cp_async(sa + swz(r, ch), a + (size_t)r * K + k0 + ch * 8);
-    cp_async(sb + swz(r, ch), b + (size_t)r * K + k0 + ch * 8);
+    if (NMAJOR) cp_async(sb + swz_n(c >> 4, c & 15), b + (size_t)(k0 + (c >> 4)) * N + (c & 15) * 8);
+    else cp_async(sb + swz(r, ch), b + (size_t)r * K + k0 + ch * 8);
   }}
   commit();
 }}
@@ -126,21 +131,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
 }}
 """
 
-# wgmma m64n128k16: a warpgroup's d (64 floats a thread) += A (64 x 16, from shared memory) B (16 x 128, from shared memory)
+# wgmma m64n128k16: a warpgroup's d (64 floats a thread) += A (64 x 16, from shared memory) B (16 x 128, from shared memory; its last
+# immediate, imm-trans-b, says whether B is N-major)
 WGMMA = ('asm volatile("{{ .reg .pred p; setp.ne.b32 p, %66, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {{' +
-         ", ".join(f"%{i}" for i in range(64)) + '}}, %64, %65, p, 1, 1, 0, 0; }}" : ' + ", ".join(f'"+f"(d[{i}])' for i in range(64)) +
+         ", ".join(f"%{i}" for i in range(64)) + '}}, %64, %65, p, 1, 1, 0, {NMAJOR}; }}" : ' + ", ".join(f'"+f"(d[{i}])' for i in range(64)) +
          ' : "l"(da), "l"(db), "r"(1));')
 
 HOPPER = TILES + r"""
-// where wgmma finds a tile of 8-row groups 512 bytes apart (the stride), in the 64-byte swizzle (mode 2); the leading offset is unused
+// where wgmma finds a tile in the 64-byte swizzle (mode 2): K-major, of 8-row groups 512 bytes apart (the stride; the leading offset is
+// unused); N-major (swz_n), of 32-column blocks 512 bytes apart (the leading offset) and 8-row ones 2,048 bytes apart (the stride)
 __device__ __forceinline__ unsigned long long desc(const half *p) {{ return (smem(p) & 0x3ffff) >> 4 | 1ull << 16 | 32ull << 32 | 2ull << 62; }}
+__device__ __forceinline__ unsigned long long desc_n(const half *p) {{ return (smem(p) & 0x3ffff) >> 4 | 32ull << 16 | 128ull << 32 | 2ull << 62; }}
 __device__ __forceinline__ void wgmma(float (&d)[64], unsigned long long da, unsigned long long db) {{ """ + WGMMA + r""" }}
 
 extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C, const half *__restrict__ A,
                                                               const half *__restrict__ B{X_ARG}{KEY_ARG}) {{
   __shared__ __align__(1024) half sa[STAGES * 128 * BK], sb[STAGES * 128 * BK];
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
-  const half *a = A + (size_t)blockIdx.y * 128 * K, *b = B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
+  const half *a = A + (size_t)blockIdx.y * 128 * K;
+  const half *b = NMAJOR ? B + blockIdx.x * 128 : B + ((size_t)(blockIdx.y * 128 / ROWS) * N + blockIdx.x * 128) * K;
   float acc[64] = {{}};
   for (int s = 0; s < STAGES - 1; s++) load(sa + s * 128 * BK, sb + s * 128 * BK, a, b, tid, s * BK);
   for (int kt = 0; kt < K / BK; kt++) {{
@@ -159,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(half *__restrict__ C
     else commit();
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     #pragma unroll  // warpgroup wg: rows 64 wg .. 64 wg + 63 of the block's C, all 128 columns; a step of 16 k is 32 bytes into the rows
-    for (int kk = 0; kk < BK / 16; kk++) wgmma(acc, desc(ta + wg * 64 * BK + kk * 16), desc(tb + kk * 16));
+    for (int kk = 0; kk < BK / 16; kk++) wgmma(acc, desc(ta + wg * 64 * BK + kk * 16), NMAJOR ? desc_n(tb + kk * 2048) : desc(tb + kk * 16));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");  // runs while the next tile is awaited
   }}
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -244,15 +253,19 @@ SPLIT = 256  # blocks that fill an H200 (132 SMs, two blocks each): the tokens a
 def wgmma(device:str) -> bool:  # Hopper exactly: code for sm_90a, the target with wgmma, doesn't run on later GPUs (sm_100, sm_120)
   return sm(device) == 90
 
-def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=None, noise:tuple[Tensor, float]|None=None) -> Tensor:
-  """act(x) [M, K] @ w [N, K].T in half, as one kernel; or with w [G, N, K], rows [g M/G, (g+1) M/G) of x times weight g. With
-  dact = (act, a), a [M, N], the product times act'(a): the gradient of an activation that a layer applied to its input a. With
-  noise = (key, sigma), a jitter site's: plus sigma times kernels/jitter.py's Gaussians, drawn in the epilogue."""
-  (M, K), (N, G) = x.shape, (w.shape[-2], 1 if w.ndim == 2 else w.shape[0])
+def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=None, noise:tuple[Tensor, float]|None=None,
+           nmajor:bool=False) -> Tensor:
+  """act(x) [M, K] @ w [N, K].T in half, as one kernel; or with w [G, N, K], rows [g M/G, (g+1) M/G) of x times weight g; or on
+  Hopper with nmajor, x @ w for one w [K, N]. With dact = (act, a), a [M, N], the product times act'(a): the gradient of an activation
+  that a layer applied to its input a. With noise = (key, sigma), a jitter site's: plus sigma times kernels/jitter.py's Gaussians,
+  drawn in the epilogue."""
+  (M, K), (N, G) = x.shape, (w.shape[-1] if nmajor else w.shape[-2], 1 if w.ndim == 2 else w.shape[0])
   hopper = wgmma(x.device)
-  name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_x{G}" if G > 1 else "") + (f"_{act}" if act else "") + \
-    (f"_d{dact[0]}" if dact else "") + (f"_j{tag(*noise)}" if noise else "")
-  src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ROWS=M // G, ACT=ACTS[act][1] if act else "", HAS_ACT=int(act is not None),
+  assert hopper or not nmajor, "an N-major weight is read by wgmma only"
+  name = ("wgmma" if hopper else "gemm") + f"_{M}_{N}_{K}" + (f"_x{G}" if G > 1 else "") + ("_n" if nmajor else "") + \
+    (f"_{act}" if act else "") + (f"_d{dact[0]}" if dact else "") + (f"_j{tag(*noise)}" if noise else "")
+  src = (HOPPER if hopper else SOURCE).format(NAME=name, N=N, K=K, ROWS=M // G, NMAJOR=int(nmajor), ACT=ACTS[act][1] if act else "",
+                                              HAS_ACT=int(act is not None),
                                               DACT=ACTS[dact[0]][3] if dact else "", X_ARG=", const half *__restrict__ X" if dact else "",
                                               XAT="X + (i)" if dact else "nullptr", NOISE=NOISE, SIGMA=literal(noise[1]) if noise else "0.f",
                                               RUN_ROWS=M // parts(noise[0]) if noise else 1, KEY="key" if noise else "nullptr",
@@ -261,7 +274,8 @@ def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=N
                 2 * (M * K + G * N * K + M * N), "sm_90a" if hopper else None)
   # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
   out, extra = Tensor.empty(M, N, dtype=dtypes.half, device=x.device), ([dact[1]] if dact else []) + ([noise[0].cast(dtypes.uint32)] if noise else [])
-  return out.custom_kernel(x, w.cast(dtypes.half), *extra, fxn=fxn, grad_fxn=grad(act) if G == 1 and not dact and not noise else None)[0]
+  plain = G == 1 and not (dact or noise or nmajor)  # the forward's kernel, which backprop differentiates
+  return out.custom_kernel(x, w.cast(dtypes.half), *extra, fxn=fxn, grad_fxn=grad(act) if plain else None)[0]
 
 def weight_grad(dy:Tensor, x:Tensor, act:str|None) -> Tensor:
   """dy [M, N]^T @ act(x) [M, K] -> float32 [N, K] (GRAD_W), the tokens split into S parts whose sums are added after."""
@@ -277,14 +291,15 @@ def weight_grad(dy:Tensor, x:Tensor, act:str|None) -> Tensor:
 
 @functools.cache
 def grad(act:str|None) -> Callable:
-  """matmul's grad_fxn: d act(x) = dy w (this kernel again, with w^T as the weight), then through act; dw = dy^T act(x) in float32,
-  the gradient of the float32 weight that was cast to half. One function per act, so that equal forwards stay equal UOps."""
+  """matmul's grad_fxn: d act(x) = dy w (this kernel again: on Hopper reading w as stored, N-major, elsewhere with a copy of w^T as the
+  weight), then through act; dw = dy^T act(x) in float32, the gradient of the float32 weight that was cast to half. One function per
+  act, so that equal forwards stay equal UOps."""
   def fxn(dy:UOp, call:UOp) -> tuple[UOp|None, ...]:
     _, x, w = operands(call)
-    g, wt = Tensor(dy).cast(dtypes.half), w.T.contiguous()
-    if not act: dx = linear(g, wt)
-    elif tuned(g, wt): dx = matmul(g, wt, dact=(act, x))  # act' applied in the kernel's epilogue: no pass of its own over x
-    else: dx = ACTS[act][2](x, linear(g, wt))
+    g = Tensor(dy).cast(dtypes.half)
+    nmajor = wgmma(g.device)
+    if not tuned(g, w.T): dx = activate_grad(x, linear(g, w.T), act)
+    else: dx = matmul(g, w if nmajor else w.T.contiguous(), dact=(act, x) if act else None, nmajor=nmajor)  # act' in its epilogue
     return None, dx.uop, weight_grad(g, x, act).uop
   return fxn
 
@@ -296,6 +311,7 @@ def tuned(x:Tensor, w:Tensor) -> bool:
     all(s % t == 0 for s, t in zip((rows // G, *w.shape[-2:]), TILE))
 
 def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x
+def activate_grad(x:Tensor, g:Tensor, act:str|None) -> Tensor: return ACTS[act][2](x, g) if act else g  # g times act'(x)
 
 def linear(x:Tensor, w:Tensor, act:str|None=None, noise:tuple|None=None) -> Tensor:
   """act(x) @ w.T in x's dtype, x [..., K], w [N, K] in any float dtype (the float32 master weights); or w [G, N, K], a weight for each

@@ -152,10 +152,11 @@ def test_model_gradient():
 
 @GPU
 def test_sgd_update():
-  # SGD with momentum on a Flat gradient, kernels/sgd.py's kernel a parameter against tinygrad's SGD (CUDA_KERNELS=0), three steps of
-  # new gradients: parameters of 3, 35, 2,048 and 3,000 values (offsets by 3, a block's 1,024 values and a part of one), two lr groups.
+  # SGD with momentum on a Flat gradient, kernels/sgd.py's one kernel against tinygrad's SGD (CUDA_KERNELS=0), three steps of new
+  # gradients: parameters of 3, 35, 2,048 and 3,000 values (offsets by 3, a block's 1,024 values and a part of one), two lr groups.
   # Both compute b = mu b + g and theta - lr b in float32, the kernel with fused multiply-adds: within a few float32 roundings. A value
-  # read from another parameter's part, the momentum not kept, or the other group's lr is off by O(lr)
+  # read from another parameter's part, a block given to the wrong parameter, the momentum not kept, or the other group's lr is off
+  # by O(lr)
   rng = np.random.default_rng(9)
   shapes = {"a": (3,), "b": (5, 7), "c": (64, 32), "d": (3000,)}
   init = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}

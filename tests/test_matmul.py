@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, dtypes
-from kernels.matmul import linear, tuned
+from kernels.matmul import linear, matmul, tuned, wgmma
 
 def reference(x:np.ndarray, w:np.ndarray, npd, act:str|None) -> np.ndarray:
   """In float64 from x and w rounded to npd, with relu(x)^2 rounded to npd too (the kernel squares in half)."""
@@ -58,3 +58,13 @@ def test_kernel_weight_per_group(act):
   out = linear(Tensor(x).cast(dtypes.half), Tensor(w), act).numpy()
   ref = np.concatenate([reference(x[g * R:(g + 1) * R], w[g], np.float16, act) for g in range(G)])
   np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2**-10, atol=1e-3)
+
+@pytest.mark.skipif(not wgmma(Device.DEFAULT), reason=f"{Device.DEFAULT} is no Hopper GPU (wgmma)")
+def test_kernel_nmajor():
+  # x @ w with w [K, N] read as stored, N-major (backprop's dx = dy w, run on the GPU machine): a wrong block offset in the descriptor,
+  # or a chunk stored under another swizzle, gives wrong sums; the shapes as in test_kernel
+  rng = np.random.default_rng(3)
+  for M, N, K in ((128, 128, 32), (256, 384, 96), (1024, 512, 2048)):
+    x, w = rng.normal(size=(M, K)).astype(np.float16), (rng.normal(size=(K, N)) / np.sqrt(K)).astype(np.float16)
+    out = matmul(Tensor(x), Tensor(w), nmajor=True).numpy()
+    np.testing.assert_allclose(out.astype(np.float64), x.astype(np.float64) @ w.astype(np.float64), rtol=2**-10, atol=1e-3)
