@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 from tinygrad import Context, Tensor, Variable, dtypes, nn
-from tinygrad.uop.ops import UOp
+from tinygrad.dtype import _to_np_dtype
+from tinygrad.uop.ops import Ops, UOp
 from kernels.noise import NOISES, fold, key as root_key
 from kernels.perturb import Population, combine
 from kernels import sgd
@@ -397,15 +398,24 @@ def flat_squares(model, loss:Tensor, buf:Tensor) -> Tensor:
   rows = buf.pad((0, -buf.numel() % 65536)).reshape(-1, 256).square().sum(1)
   return Tensor.stack(loss.float().reshape(()), rows.contiguous().sum())
 
+def host(t:Tensor) -> np.ndarray:
+  """A JIT's small output on the host: the device's copy-out (a sync and a memcpy) into a NumPy array. Tensor.numpy() builds and runs a
+  copy program at every call, 0.24 ms of host time on the H200's machine (the check of each step: a tenth of the small preset's backprop
+  step) and 0.31 ms on a 2-core CPU, where this took 0.02 ms."""
+  assert t.uop.op is Ops.BUFFER, "a realized buffer, not a lazy tensor or a view of one"
+  buf, out = t.uop.buffer, np.empty(t.shape, _to_np_dtype(t.dtype))
+  buf.allocator._copyout(memoryview(out).cast("B"), buf._buf)
+  return out
+
 def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
   """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built eagerly at every
   step, the sums' graph took longer than a small model's whole step); backprop's JIT makes the sums with its gradient. A Flat is
   summed whole (one sum a parameter was 42 kernels at the small preset), and only a non-finite one is searched for the parameter."""
   if isinstance(g, Flat):
-    named, vals = {"the gradient": g.buf}, g.sums.numpy()
+    named, vals = {"the gradient": g.buf}, host(g.sums)
   else:
     named = {"coefficients": g.coef} if isinstance(g, Compact) else g
-    vals = jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named).numpy()
+    vals = host(jitted(squares, model, tuple(t.shape for t in named.values()))(loss, named))
   if not math.isfinite(vals[0]): raise UsageError(f"step {step}: the training loss is {vals[0]}; the last good checkpoint is in {out}")
   if bad := [n for n, v in zip(named, vals[1:]) if not math.isfinite(v)]:
     if isinstance(g, Flat): bad = [n for n, t in g.dense(model.params).items() if not t.isfinite().all().item()] or bad

@@ -12,14 +12,14 @@
   DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
 
 A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no
-row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, after one that compiles
-and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (mezo: 2 per direction; es: 1 per
-member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards; backprop: 3, a
-forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes during the
-row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward is a
-TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and batch (bf16,
-SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the generator
-alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
+row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them,
+after one that compiles and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (mezo: 2 per
+direction; es: 1 per member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards;
+backprop: 3, a forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes
+during the row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward
+is a TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and batch
+(bf16, SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the
+generator alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
 import argparse, gc, importlib.util, json, os, subprocess, sys, tempfile, time
 from dataclasses import asdict
@@ -120,8 +120,10 @@ def forwards(model, method:str, pop:int) -> float:
   if method == "dust": return dust.forwards(dust.recipe(pop, "1M", "sgd", model.n_pblocks))
   return {"mezo": 2 * pop, "es": pop, "backprop": 3}[method]
 
-def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, devices:int=1) -> dict:
-  """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust)."""
+def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:
+  """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
+  steps are at least n and fill about `fill` seconds, sized by one step: three steps of the small preset's backprop (~2 ms each) varied
+  by 20% between runs (H200)."""
   lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
   opt, step = zo.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
@@ -133,7 +135,8 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, de
   PEAK[0] = GlobalCounters.mem_used
   first = timed(run, 1)
   run()  # the second step captures the TinyJits (the first ran them eagerly, compiling their kernels): neither is a replay
-  row = {"first_s": first, "s": timed(run, n), "peak": PEAK[0], "needs": forwards(model, method, pop)}
+  steps = max(n, round(fill / timed(run, 1))) if fill else n
+  row = {"first_s": first, "s": timed(run, steps), "peak": PEAK[0], "needs": forwards(model, method, pop)}
   if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks
     with ByKind() as by_kind: row["split_s"] = timed(run, 1)
     row["split"] = by_kind.times
@@ -145,7 +148,7 @@ def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
   n = 1 if quick else 3
   if name == "forward": return forward_row(model, x, y, n)
   if name == "noise": return noise_row(model, n)
-  return step_row(model, x, y, name, int(rest[0]), int(rest[1]) if len(rest) > 1 else 0, n, devices)
+  return step_row(model, x, y, name, int(rest[0]), int(rest[1]) if len(rest) > 1 else 0, n, 0.0 if quick else 0.2, devices)
 
 def run_row(preset:str, row:str, quick:bool, devices:int=1, cache:str|None=None, kernels:bool=True) -> dict:
   """One row in a process of its own; with --quick, in this one, so that the rows share their compiled kernels (on 2 CPU cores a
@@ -256,7 +259,7 @@ def looped_table(depths:list[int], quick:bool, dust_pop:int):
     model = Looped(LoopedConfig.preset(preset, loops=loops), dtype=zo.compute_dtype())
     x, y = (Tensor(rng.integers(0, model.cfg.vocab, (B, model.cfg.seq_len)).astype(np.int32)).realize() for _ in range(2))
     resident = GlobalCounters.mem_used
-    cells = [step_row(model, x, y, m, p, 0, 1) for m, p in pops.items()]
+    cells = [step_row(model, x, y, m, p, 0, 1, 0.0) for m, p in pops.items()]
     print(f"{loops:>6}" + "".join(f"{c['s']:>10.3f} s {(c['peak'] - resident) / 2**20:>8.1f} MiB" for c in cells), flush=True)
 
 def main():

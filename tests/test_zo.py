@@ -170,7 +170,7 @@ def test_checked_names_the_nonfinite_gradient(setup):
   names, buf = list(model.params), g.buf.numpy()
   buf[sum(p.numel() for p in list(model.params.values())[:3]) + 1] = np.inf  # the second value of the fourth parameter
   with pytest.raises(zo.UsageError, match=rf"step 7: the estimate of {re.escape(names[3])} is not finite"):
-    zo.checked(model, loss, zo.Flat(t := Tensor(buf), zo.flat_squares(model, loss, t)), 7, "out")
+    zo.checked(model, loss, zo.Flat(t := Tensor(buf), zo.flat_squares(model, loss, t).realize()), 7, "out")  # realized, as by a JIT
 
 # the estimates for key 1 on the fixture (one forward for all of es's members; mezo's directions one JIT call each): per parameter, the
 # projection on a fixed Gaussian vector and the norm. Recorded at 6c50254, and anew with four Gaussians a threefry call ([noise-gen]).
