@@ -2,6 +2,7 @@
 on tinygrad's NULL device, compiled but not run, so no GPU is needed. Their numerics are tested on the GPU machine:
 test_matmul.test_kernel, test_attention.test_flash, test_loss, test_qk_norm and test_norm here, and tests/test_backprop.py."""
 import importlib.util, os, pathlib, subprocess, sys
+from collections import Counter
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
@@ -76,7 +77,7 @@ model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)  # windows 
 x = Tensor(np.zeros((8, 256), np.int32)).realize()
 loss, g = zo.gradient(model, x, x)
 programs = [c.src[0] for c in loss.schedule_linear(*g).src if c.src[0].op is Ops.PROGRAM]
-for p in programs: NVRTCCompiler("sm_90a").compile(p.src[2].arg)  # every kernel's CUDA source (the NULL device compiles none)
+for p in programs: NVRTCCompiler(TARGET).compile(p.src[2].arg)  # every kernel's CUDA source (the NULL device compiles none)
 print(sorted(Counter("_".join(w for w in p.arg.name.split("_") if not w.isdigit()) for p in programs).items()))
 """
 
@@ -139,21 +140,21 @@ def test_compiled_for_the_h200():
   assert r.returncode == 0 and r.stdout.strip() == "False True (128, 512)", r.stderr[-3000:]
 
 @pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
-def test_backward_for_the_h200():
-  # backprop through two blocks on the kernels: 13 linear layers (6 a block and the head), each a forward GEMM, one for dx that reads
-  # the weight as stored (N-major: "_n"; a copy of w^T would change no count but the test's names) and one for dw, the MLP's second
-  # layer's three with relu^2 (its input's activation, or in dx its derivative "drelu2"); two flash attentions, each with one dq and one
-  # dkv kernel; five norms (two of them adding a residual) and four QK-norms, each with its gradient; one loss and its gradient; the token
-  # and value embeddings' gradients; the four residual-mix scalars' sums.
+@pytest.mark.parametrize("arch,target,gemm,dx", [("sm_90", "sm_90a", "wgmma", "wgmma_n"), ("sm_80", "sm_80", "gemm", "gemm")])
+def test_backward_for_the_h200(arch:str, target:str, gemm:str, dx:str):
+  # backprop through two blocks on the kernels: 13 linear layers (6 a block and the head), each a forward GEMM, one for dx and one for
+  # dw, the MLP's second layer's three with relu^2 (its input's activation, or in dx its derivative "drelu2"); on the H200 dx's GEMM
+  # reads the weight as stored (N-major, "_n"), on an A100 (sm_80, mma.sync) it takes a copy of w^T; two flash attentions, each with
+  # one dq and one dkv kernel; five norms (two of them adding a residual) and four QK-norms, each with its gradient; one loss and its
+  # gradient; the token and value embeddings' gradients; the four residual-mix scalars' sums. Every kernel compiles for the GPU.
   # A gradient taken twice (tinygrad's autograd flows on past a target: a norm's two inputs, the stream and the attention's output, once
   # counted the attention's backward twice) or falling back to tinygrad's ops changes the counts
-  r = run("CUDA", BACKWARD)
+  r = run("CUDA", f"TARGET = {target!r}\n" + BACKWARD, arch)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert r.stdout.strip().splitlines()[-1] == str(sorted({"wgmma": 11, "wgmma_relu2": 2, "wgmma_n": 11, "wgmma_n_drelu2": 2, "grad_w": 11,
-                                                          "grad_w_relu2": 2, "flash": 2, "flash_dq": 2, "flash_dkv": 2, "loss": 1,
-                                                          "loss_grad": 1, "embed_grad": 2, "norm": 3, "norm_add": 2, "norm_grad": 3,
-                                                          "norm_grad_add": 2, "qk_norm_half_half": 4, "qk_norm_grad_half_half": 4,
-                                                          "dot": 4}.items())), r.stdout
+  want = Counter({gemm: 11, f"{gemm}_relu2": 2}) + Counter({dx: 11, f"{dx}_drelu2": 2}) + \
+    Counter({"grad_w": 11, "grad_w_relu2": 2, "flash": 2, "flash_dq": 2, "flash_dkv": 2, "loss": 1, "loss_grad": 1, "embed_grad": 2, "norm": 3,
+             "norm_add": 2, "norm_grad": 3, "norm_grad_add": 2, "qk_norm_half_half": 4, "qk_norm_grad_half_half": 4, "dot": 4})
+  assert r.stdout.strip().splitlines()[-1] == str(sorted(want.items())), r.stdout
 
 @pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
 def test_update_for_the_h200():
