@@ -400,8 +400,8 @@ def flat_squares(model, loss:Tensor, buf:Tensor) -> Tensor:
 
 def host(t:Tensor) -> np.ndarray:
   """A JIT's small output on the host: the device's copy-out (a sync and a memcpy) into a NumPy array. Tensor.numpy() builds and runs a
-  copy program at every call, 0.24 ms of host time on the H200's machine (the check of each step: a tenth of the small preset's backprop
-  step) and 0.31 ms on a 2-core CPU, where this took 0.02 ms."""
+  copy program at every call: 0.24 ms of host time on the H200's machine (the check of each step, a tenth of the small preset's backprop
+  step) and 0.31 ms on a 2-core CPU, where this read takes 0.02 ms on both."""
   assert t.uop.op is Ops.BUFFER, "a realized buffer, not a lazy tensor or a view of one"
   buf, out = t.uop.buffer, np.empty(t.shape, _to_np_dtype(t.dtype))
   buf.allocator._copyout(memoryview(out).cast("B"), buf._buf)

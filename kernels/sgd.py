@@ -1,8 +1,8 @@
 """SGD with momentum, b <- mu b + g and theta <- theta - lr b, on NVIDIA GPUs as one CUDA kernel for every parameter, which writes each b
 and theta in place. tinygrad writes the two assignments as two kernels a parameter, each in blocks of 32 threads, which on the H200
 run far below the memory's rate (kernels/jitter.py): backprop's update took 1.6-1.9 ms at the dust preset, 0.4-0.5 ms as one kernel a
-parameter. One launch for all of them: at the small preset a launch costs more than the arithmetic of a parameter. The gradient comes
-as zo.Flat's one buffer, read at each parameter's offset.
+parameter, 0.23 ms as this one (H200). One launch for all of them: at the small preset a launch costs more than the arithmetic of a
+parameter. The gradient comes as zo.Flat's one buffer, read at each parameter's offset.
 """
 import itertools
 from tinygrad import Tensor, dtypes
@@ -18,7 +18,7 @@ __device__ __forceinline__ void sgd(float *p, float *b, const float *g, float lr
   }}
 }}
 extern "C" __global__ void __launch_bounds__(256) {NAME}({ARGS}) {{
-  const size_t block = blockIdx.x;  // parameter i has the blocks from START_i on
+  const size_t block = blockIdx.x;  // parameters in order, each on its own blocks: the first whose blocks end past this one
 {BRANCHES}
 }}
 """
@@ -41,7 +41,8 @@ def step(thetas:tuple[Tensor, ...], bs:tuple[Tensor, ...], buf:Tensor, offsets:l
   its lr, as one kernel."""
   groups = {id(lr): lr for lr in lrs}
   sizes, group = [t.numel() for t in thetas], [list(groups).index(id(lr)) for lr in lrs]
-  name, n, D = f"sgd_{len(thetas)}_{sum(sizes)}", len(thetas), sum(sizes)
+  n, D = len(thetas), sum(sizes)
+  name = f"sgd_{n}_{D}"
   fxn = program(thetas[0].device, name, source(name, sizes, offsets, group, mu), (sum(blocks(s) for s in sizes),), 256,
                 2 * n + 1 + len(groups), 3 * D, 20 * D, outs=2 * n)
   return list(thetas[0].custom_kernel(*thetas[1:], *bs, buf, *groups.values(), fxn=fxn)[:2 * n])
