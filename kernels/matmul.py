@@ -19,10 +19,10 @@ divide, `linear` is tinygrad's own matmul. `act` applies an activation to x as t
 MLP is never written out: mma.sync's kernel computes it on the fragments in registers, each element once per warp along N, and
 wgmma's on the tile in shared memory, once per block.
 
-The gradient (`grad`), for backprop: with y = act(x) w^T, dx = (dy w) act'(x) is this same kernel with w^T as the weight (a copy of the
-small weight, not of the activations) and act' applied in its epilogue, and dw = dy^T act(x) sums over the tokens, which both operands
-hold as rows: GRAD_W reads them so, with transposed ldmatrix loads, and splits the tokens among blocks (a 512 x 512 weight is only 16
-tiles of 128 x 128).
+The gradient (`grad`), for backprop: with y = act(x) w^T, dx = (dy w) act'(x) is this same kernel with act' applied in its epilogue,
+on Hopper reading w as stored (wgmma takes B N-major), elsewhere with a copy of w^T as the weight (of the small weight, not of the
+activations); and dw = dy^T act(x) sums over the tokens, which both operands hold as rows: GRAD_W reads them so, with transposed
+ldmatrix loads, and splits the tokens among blocks (a 512 x 512 weight is only 16 tiles of 128 x 128).
 """
 import functools
 from typing import Callable

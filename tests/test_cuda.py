@@ -65,7 +65,6 @@ print(wgmma(Device.DEFAULT), tuned(x, w), linear(x, w).realize().shape)
 """
 
 BACKWARD = """
-import itertools
 from collections import Counter
 import numpy as np
 from tinygrad import Tensor, dtypes
