@@ -337,13 +337,32 @@ def drop_graphs(captured:CapturedJit) -> None:
     if call.src[0].op is Ops.CUSTOM_FUNCTION and call.src[0].arg == "graph": graph_cache.pop(call.src[0], None)
 
 class Jit(_TinyJit):
-  """A TinyJit whose memory plan, once captured, lives in the shared Scratch."""
+  """A TinyJit whose memory plan, once captured, lives in the shared Scratch, and whose replays take whole buffers as they are."""
   def __call__(self, *args, **kwargs):
+    if self.cnt >= 2 and JIT and not kwargs and (bufs := self.whole_inputs(args)) is not None:
+      self.cnt += 1
+      return self.captured(bufs, {v.expr: val for v, val in (a.unbind() for a in args if isinstance(a, UOp))})
     capture = self.cnt == 1 and bool(JIT)
     if capture: SCRATCH.free()
     try: return super().__call__(*args, **kwargs)
     finally:
       if capture: SCRATCH.adopt(self.captured)  # after a failed capture too: the other JITs' arenas come back
+
+  def whole_inputs(self, args:tuple) -> list[UOp]|None:
+    """A replay's input buffers, when every input is a whole buffer (realized, or an array to copy in) in the shape, dtype and device
+    the capture saw; None otherwise, for tinygrad's own preparation. That finds each input's view of its buffer by two graph rewrites
+    (70-96 us an input on a 2-core CPU; two thirds of backprop's JIT calls' host time on the H200's machine), before the replay's first
+    kernel, while the GPU waits: a step's sync leaves it idle until then (docs/performance.md, "the host time between steps")."""
+    ts = [a for a in args if isinstance(a, Tensor)]
+    names, info = self.captured.expected_names, self.captured.expected_input_info
+    if any(isinstance(a, (list, tuple, dict)) for a in args) or names != [i for i, a in enumerate(args) if isinstance(a, Tensor)]: return None
+    if lazy := [t for t in ts if not t.uop.is_realized]: Tensor.realize(*lazy)
+    for t, (view, vs, dtype, device) in zip(ts, info):
+      u = t.uop  # a buffer, which the capture recorded as NOOP, or a reshape of one, recorded as NOOP under the same reshape
+      if u.op is Ops.RESHAPE and view.op is Ops.RESHAPE and view.src[1] is u.src[1]: u, view = u.src[0], view.src[0]
+      if not (u.op is Ops.BUFFER and view.op is Ops.NOOP and vs == () and t.dtype == dtype and t.device == device): return None
+    bufs = [t.uop.base for t in ts]
+    return bufs if len(set(bufs)) == len(bufs) else None
 
 _jits:dict[tuple, Jit] = {}
 def jitted(fn:Callable, owner, *shape, **static) -> Jit:

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
-from tinygrad.uop.ops import Ops
+from tinygrad.engine.jit import JitError
+from tinygrad.uop.ops import Ops, UOp
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from kernels.noise import key, gaussian
 from kernels.norm import qk_norm, rms, rope
@@ -308,3 +309,25 @@ def test_jits_share_one_arena():
   base = SCRATCH.base[fu.device]
   assert fu.buffer.base is base and gu.buffer.base is base
   assert base.nbytes == max(off + u.nbytes() for _, offs in SCRATCH.users for u, off in offs if u.device == fu.device) < fu.nbytes() + gu.nbytes()
+
+def _shifted(owner, x:Tensor, y:Tensor, s:Tensor, at:UOp) -> Tensor: return ((x - y) * s + Tensor(at).float()).contiguous()
+
+def test_jit_replays_whole_inputs(monkeypatch):
+  """A replay whose inputs are whole buffers (realized, or arrays not yet copied in) skips tinygrad's preparation of them, and still
+  reads each input from its own buffer, with the bound variable's value; a view, a new shape or a repeated input goes through
+  tinygrad's, which refuses them."""
+  from tinygrad.engine import jit as tinyjit
+  from model import jitted
+  prepared, prepare = [], tinyjit._prepare_jit_inputs
+  monkeypatch.setattr(tinyjit, "_prepare_jit_inputs", lambda *a: prepared.append(1) or prepare(*a))
+  AT, rng = UOp.variable("at", 0, 9), np.random.default_rng(0)
+  f = jitted(_shifted, None, (4, 8))
+  for i in range(4):
+    a, b, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 8), (4, 8), (8,)))
+    xs = (Tensor(a), Tensor(b), Tensor(s)) if i % 2 else (Tensor(a).realize(), Tensor(b).realize(), Tensor(s).realize())
+    np.testing.assert_allclose(f(*xs, AT.bind(i)).numpy(), (a - b) * s + i, rtol=1e-6)
+  assert len(prepared) == 1  # the capture's
+  x, big = Tensor(a).realize(), Tensor(np.concatenate([b, b])).realize()
+  for bad in ((x, big[4:]), (x, Tensor(np.zeros((8, 4), np.float32))), (x, x)):  # a view of a buffer, another shape, one input twice
+    with pytest.raises(JitError): f(*bad, Tensor(s), AT.bind(1))
+  assert len(prepared) == 4
