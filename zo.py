@@ -367,9 +367,9 @@ def train(args):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
       g, loss = run_estimator(model, x, y, args.method, args.pop, step_key(args.seed, step), **method_opts(args))
-      loss = checked(model, loss, g, step, args.out)
       opt.scale = min(1.0, (steps - step) / (warmdown * steps)) if warmdown else 1.0
-      opt.step(g)
+      opt.step(g)  # queued before the check's read, which waits for it: a bad step stops the run before anything saves its weights
+      loss = checked(model, loss, g, step, args.out)
       dt = time.perf_counter() - ts
       rec = {"step": step, "tokens": (step + 1) * args.batch * args.seq, "train_loss": loss, "seconds": round(time.perf_counter() - t0, 3)}
       if step % args.eval_every == 0 or step == steps - 1:

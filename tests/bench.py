@@ -130,8 +130,8 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   def run():
     step[0] += 1
     g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **opts)
-    zo.checked(model, loss, g, step[0], "")
     opt.step(g)
+    zo.checked(model, loss, g, step[0], "")
   PEAK[0] = GlobalCounters.mem_used
   first = timed(run, 1)
   run()  # the second step captures the TinyJits (the first ran them eagerly, compiling their kernels): neither is a replay
