@@ -352,7 +352,7 @@ class Jit(_TinyJit):
     """A replay's input buffers, when every input is a whole buffer (realized, or an array to copy in) in the shape, dtype and device
     the capture saw; None otherwise, for tinygrad's own preparation. That finds each input's view of its buffer by two graph rewrites
     (70-96 us an input on a 2-core CPU; two thirds of backprop's JIT calls' host time on the H200's machine), before the replay's first
-    kernel, while the GPU waits: a step's sync leaves it idle until then (docs/performance.md, "the host time between steps")."""
+    kernel, while the GPU waits: a step's sync leaves it idle until then (docs/performance.md, "The host time between steps")."""
     ts = [a for a in args if isinstance(a, Tensor)]
     names, info = self.captured.expected_names, self.captured.expected_input_info
     if any(isinstance(a, (list, tuple, dict)) for a in args) or names != [i for i, a in enumerate(args) if isinstance(a, Tensor)]: return None
