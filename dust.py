@@ -1,16 +1,16 @@
-"""Dust (DUST.md §3): a gradient estimate from forward passes only, by perturbing layer *outputs* token by token.
+"""Dust (docs/dust.md §3): a gradient estimate from forward passes only, by perturbing layer *outputs* token by token.
 
 For a linear map y_t = W x_t the weight gradient is sum_t g_t x_t^T with g_t = dloss_t/dy_t. Dust estimates only g_t, by
 jittering y_t with sigma * a_t and regressing each token's own loss change on a_t: one batched forward evaluates one draw
 at every token at once. The exact outer product with the cached input x_t then gives the weight gradient (§3.1, §3.8).
-All noise is a pure function of a chunk key, regenerated wherever it is needed and never kept (DESIGN.md principle 1).
+All noise is a pure function of a chunk key, regenerated wherever it is needed and never kept (docs/design.md principle 1).
 
 The looped model applies one weight-tied block at every loop. A draw jitters a block site at all loops at once, each loop with
 its own noise (the model folds the site's key with the loop index), and each loop's error is regressed on that loop's noise
 only: the other loops' jitters are independent of it, so they add variance but no bias. A tied weight's gradient is then the
 sum over loops of the outer products with that loop's input. This needs the clean pass's activations at *every* loop (the
 capture keeps them as `name@i`: 18 d values a token a loop) and an error per site and loop (10 d fp32 values a token a loop),
-so Dust's memory grows linearly with the loop count, unlike MeZO/ES (DESIGN.md principle 4). Recomputing instead (a clean copy
+so Dust's memory grows linearly with the loop count, unlike MeZO/ES (docs/design.md principle 4). Recomputing instead (a clean copy
 in every perturbed pass, the outer products formed chunk by chunk) would keep it flat, at more compute and much more code.
 """
 from __future__ import annotations
@@ -18,15 +18,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 import numpy as np
 from tinygrad import Tensor, Variable, dtypes
-from tinygrad.uop.ops import UOp
-from kernels.attention import attention, mix, probs, spans
-from kernels import flash
-from kernels.noise import NOISES, key as root_key, fold, runs
+from kernels import batches_chunks
+from kernels.attention import moved, mixed, prepare
+from kernels.loss import softcap
+from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
-from model import GPTConfig, allocated, jitted, per_call, release, softcap
+from model import GPTConfig
+import engine
 
-# ***** the recipe: draws, sigmas and optimizer settings per population (DUST.md §3.11, §3.14, §4.1) *****
+# ***** the recipe: draws, sigmas and optimizer settings per population (docs/dust.md §3.11, §3.14, §4.1) *****
 
 POPULATIONS = (64, 256, 1024, 4096, 16384)  # the release's SGD cells; AdamW takes any multiple of 256 whose counts split into chunks
 NREP = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}  # draws per chunk; a population between cells takes the one below
@@ -98,17 +99,22 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   base = NOISE if adam else POP64 if population == 64 else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
   scale = 1 if base is POP64 else population / 256  # POP64's counts are absolute
   writers, hidden, hubs = (resample(tuple(round(c * scale) for c in b), n_layer, nrep) for b in base[:3])
-  has_ve, double = GPTConfig(n_layer=n_layer).has_ve, 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
+  has_ve = GPTConfig(n_layer=n_layer).has_ve
   lr, momentum = (0.0015, 0.7) if adam else SGD_LR[budget][max(population, 256)]  # P = 64 takes P = 256's settings [S]
-  r = Recipe(population, nrep, writers, hidden, hubs, round(base[3] * scale), (3 if adam else 4) * population,
-             {kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer)) for kind, c in base[4].items()},
-             0.99 if base is SGD_16K_10M else 0.98, 0.3 if adam else 0.0,
-             {"writers": 0.2 * double, "hidden": 0.2 * double, "embedding": 0.2 * double * double, "head": 0.05 * double,
-              "local": 0.05 * double, "scalars": 0.03 * double,
-              "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * double for l in range(n_layer))},  # the deeper half moves the loss too little at 0.2
-             8, "adam" if adam else "sgd", lr, momentum, (0.7, 0.95) if adam else None,
-             {"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr} if adam else
-             {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03}, 0.3 if adam else 0.0, noise)
+  sigma = 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
+  r = Recipe(population=population, nrep=nrep, writers=writers, hidden=hidden, hubs=hubs, embedding=round(base[3] * scale),
+             head=(3 if adam else 4) * population,
+             local={kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
+                    for kind, c in base[4].items()},
+             gamma=0.99 if base is SGD_16K_10M else 0.98, gamma0=0.3 if adam else 0.0,
+             sigma={"writers": 0.2 * sigma, "hidden": 0.2 * sigma, "embedding": 0.2 * sigma * sigma, "head": 0.05 * sigma,
+                    "local": 0.05 * sigma, "scalars": 0.03 * sigma,
+                    # the deeper half of the hubs moves the loss too little at 0.2
+                    "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * sigma for l in range(n_layer))},
+             scalar_draws=8, optimizer="adam" if adam else "sgd", lr=lr, momentum=momentum, betas=(0.7, 0.95) if adam else None,
+             group_lr={"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr} if adam else
+                      {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
+             warmdown=0.3 if adam else 0.0, noise=noise)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
   if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
     raise ValueError(f"population {population}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
@@ -124,16 +130,12 @@ def forwards(rc:Recipe) -> float:
 # ***** keys and the chunk loop *****
 
 GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
-# bound at each JIT call: kernel arguments, not constants, so that every group and block runs the same compiled kernels (as
-# constants they made each (group, block) compile its own: 224 s of compiling for a tiny model's first pop-64 step on 2 CPU cores)
-GROUP, BLOCK, CHUNK, FIRST = Variable("group", 0, len(GROUPS)), Variable("block", 0, 1 << 16), Variable("chunk", 0, 1 << 24), Variable("first", 0, 1)
-DRAWS = Variable("draws", 1, 1 << 24)  # the draws each output of a group receives, which its mean divides by
+# bound at each JIT call: kernel arguments, not constants, so that every group and block runs the same compiled kernels (engine.py)
+GROUP, BLOCK = Variable("group", 0, len(GROUPS)), Variable("block", 0, 1 << 16)
 
 @dataclass(frozen=True)
 class Draws:
-  """Chunks `chunks` of a group's draws at a block: chunk c's key is fold(key, group, block, c) (sites fold once more). The chunk
-  JITs compute the keys themselves, from the step's key (an input), the group, the block and the call's first chunk (bound
-  Variables: a new call is a new kernel argument, not an upload)."""
+  """Chunks `chunks` of a group's draws at a block: chunk c's key is fold(key, group, block, c) (sites fold once more)."""
   key:Tensor  # the step's key, on the device that runs the draws
   group:int   # the index in GROUPS
   block:int
@@ -142,45 +144,25 @@ class Draws:
 
 # A Dust JIT call batches as many chunks of draws as hold this many tokens together: the dust preset's chunk (8 draws of 8 x 2048),
 # which fills an H200, so one chunk a call there and 8 at the small preset's 8 x 256, where a call of one chunk had cost more host
-# time than its kernels (771 calls a pop-1024 update: 4.8 s of host time on the NULL device, 2 cores).
+# time than its kernels (771 calls a pop-1024 update: 4.8 s of host time on the NULL device, 2 cores). One a call on the CPU
+# (kernels/__init__.py's table).
 TOKENS = 131072
-# On the CPU, one chunk a call: no launch cost to win back there, and G chunks a call had cost more compiling, time and memory (tiny
-# model, pop 64, NOOPT=1, no compile cache, 2 cores: first step 36.6 s → 24.0 s, then 3.6 s → 3.0 s a step).
-CPU_TOKENS = 0
 
-_sums:dict[tuple[int, int, int], list[Tensor]] = {}
-def accumulate(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
-               unit:int|None=None, **static) -> list[Tensor]:
-  """The mean per draw of chunk(model, keys, *inputs, **static) over the draws' chunks, `tokens` tokens and `nrep` draws each (one
-  without an nrep): the chunks' sums, each divided by the draws in all as it is added. G chunks a call (keys [G, 2]; or with
-  a `unit`, G runs of `unit` chunks, keys [G, unit, 2]), G the most that divide the runs and hold at most TOKENS tokens. It runs as one
-  TinyJit that lives across steps: every tensor it reads is an input (the batch, the capture) or the model's weights, which the
-  optimizer updates in place, so the next step's tensors take the place of this step's and nothing is traced or compiled again. The
-  sums are the group's own, kept across steps and zeroed by its first call: allocating them at every group, by realizes that each
-  walk every live tensor, had cost more host time than a small model's draws. Its scratch is the arena that every JIT shares
-  (model.Scratch), so the update's ~45 JITs hold one JIT's scratch at a time. The means are those buffers, not a lazy division of
-  them: the reassembly's JIT would have to realize ~45 divisions first, 40 ms of a small-preset pop-256 update's 200 ms of host time
-  (NULL device)."""
+def keyed(model, c:Tensor, key:Tensor, group, block, *inputs, chunk:Callable[..., list[Tensor]], unit:int|None, **static) -> list[Tensor]:
+  """chunk(model, keys, *inputs, **static) for the chunks c, keys = fold(key, group, block, c): [G, 2], or [G, unit, 2] in runs."""
+  keys = fold(key, Tensor(group), Tensor(block), c.cast(dtypes.uint32))
+  return chunk(model, keys if unit is None else keys.reshape(-1, unit, 2), *inputs, **static)
+
+def mean_of(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
+            unit:int|None=None, **static) -> list[Tensor]:
+  """The mean per draw of chunk(model, keys, *inputs, **static) over the draws' chunks, of `tokens` tokens and `nrep` draws each (one
+  without an nrep): G chunks a call (or G runs of `unit` chunks), G the most that divide the runs and hold at most TOKENS tokens on a
+  GPU (one on the CPU). The weights are no input: the JIT reads them from the model, where the optimizer updates them in place."""
   n = len(draws.chunks) // (unit or 1)
-  most = CPU_TOKENS if draws.key.device.split(":")[0] == "CPU" else TOKENS
-  G = per_call(n, tokens, most)
-  jit = jitted(summed, model, tuple(shapes), chunk=chunk, G=G, unit=unit, noise=draws.noise, **static)
-  if (k := (id(jit), draws.group, draws.block)) not in _sums:
-    _sums[k] = [Tensor.zeros(*s, device=draws.key.device).contiguous().realize() for s in shapes]
-  sums = _sums[k]
-  where = GROUP.bind(draws.group), BLOCK.bind(draws.block)
-  total = DRAWS.bind(static.get("nrep", 1) * n)
-  for i, c in enumerate(draws.chunks[::G * (unit or 1)]): jit(draws.key, *where, CHUNK.bind(c), FIRST.bind(int(i == 0)), total, *inputs, sums)
-  return sums
-
-def summed(model, key:Tensor, group:UOp, block:UOp, c:UOp, first:UOp, total:UOp, *a, chunk:Callable[..., list[Tensor]], G:int, unit:int|None,
-           **static):
-  *a, acc = a
-  ks = fold(key, Tensor(group), Tensor(block), Tensor(c).cast(dtypes.uint32) + Tensor.arange(G * (unit or 1), dtype=dtypes.uint32))
-  keep = Tensor(first).cast(dtypes.bool).logical_not()  # where(): the last step's sums are never multiplied, so nothing of them stays
-  share = 1.0 / Tensor(total).float()
-  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d * share) for s, d in zip(acc, chunk(model, ks if unit is None else ks.reshape(G, unit, 2), *a,
-                                                                                          **static))])
+  G = engine.per_call(n, tokens, TOKENS if batches_chunks(draws.key.device) else 0)
+  return engine.mean(keyed, model, draws.key, GROUP.bind(draws.group), BLOCK.bind(draws.block), *inputs, chunks=draws.chunks,
+                     per_call=G * (unit or 1), count=static.get("nrep", 1) * n, shapes=shapes, chunk=chunk, unit=unit,
+                     noise=draws.noise, **static)
 
 def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
 
@@ -194,15 +176,15 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
            rerun:str="block", depths:tuple[int|None, ...]=(None,), gamma:float=0.0) -> dict[str, Tensor]:
   """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
   the chunk's draws (with `gamma` > 0, its reward-to-go: the drops of the later tokens too, discounted). Returns the per-token
-  estimate of +dloss_t/dy_t per site, [B, T, width]. `rerun="block"` starts each perturbed pass at the jittered block from the
+  estimate ĝ_t = −1/(σK) Σ_i r̃_t^(i) a_t^(i) of +dloss_t/dy_t per site (K draws a_t^(i), §3.1), [B, T, width]: mean_of divides by K. `rerun="block"` starts each perturbed pass at the jittered block from the
   captured activations (§3.10), "full" reruns the whole model.
   `depths`: where the sites' block is applied, several in the looped model. Its sites are jittered at all of them in the same
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
   stream = model.rerun_stream(rec, sites) if rerun == "block" else {}
-  E = accumulate(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream,
-                 sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
+  E = mean_of(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream,
+              sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
   return {recorded(model, sites[j], d): e for (j, d, _), e in zip(outs, E)}
 
 def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], sites:tuple[str, ...], sigma:float, nrep:int,
@@ -218,7 +200,7 @@ def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], 
   if gamma: reward = reward_to_go(reward, gamma)
   def drawn(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
     return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * nrep * B, T, w), noise).reshape(G, nrep, B, T, w)
-  return [-(reward.unsqueeze(-1) * drawn(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]
+  return [-(reward.unsqueeze(-1) * drawn(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]  # −1/σ Σ_i r̃ a, of K's sum
 
 def reward_to_go(c:Tensor, gamma:float) -> Tensor:
   """r_t = sum_{s>=t} gamma^(s-t) c_s along the last axis (tokens): block 0's jitter pays off mostly at later tokens (§3.14)."""
@@ -241,7 +223,7 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, draws:Draws,
   clean = {"z": z.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
   Tensor.realize(*clean.values())
   # a cycle over the slabs at least a call: the head's chunks are too short for one each
-  (E,) = accumulate(head_chunk, model, [(B, T, S, W)], draws, S * nrep * B * T, clean, y, unit=S, sigma=sigma, nrep=nrep)
+  (E,) = mean_of(head_chunk, model, [(B, T, S, W)], draws, S * nrep * B * T, clean, y, unit=S, sigma=sigma, nrep=nrep)
   return E.reshape(B, T, V)
 
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1
@@ -272,59 +254,36 @@ def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i ha
   return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
 
 class CleanAttention:
-  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and the
-  gate's logits z, the value embedding e); and what the draws read besides: its probabilities p by block of queries
-  (kernels/attention.py) and output o = p u [B, T, H, hd], or on NVIDIA GPUs half copies of q^, k^ and u (`fused`). A draw recomputes
-  only this attention, never the network: all of it for q and k, and for v, gate and ve, which move only u, just p du. q and k: o' - o
-  is a small difference, taken in float32 (tensor ops measured ~1.8x faster so than in half); on NVIDIA GPUs a kernel makes it from the
-  change of q^ or k^ itself, and only small quantities are rounded to half. v, gate, ve: p is kept in the model's dtype, or remade from
-  q^, k^ by the flash kernel on NVIDIA GPUs (tensor cores in half; the product is off by ~2^-11 relative, as no difference is taken).
-  Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can take them as inputs."""
+  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and
+  the gate's logits z, the value embedding e); and what the draws read besides (kernels/attention.prepare). A draw recomputes only
+  this attention, never the network: for q and k, o' - o (kernels/attention.moved); for v, gate and ve, which move only u, p du
+  (kernels/attention.mixed). Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can
+  take them as inputs."""
   def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
 
   @classmethod
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
-    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across
-    steps: eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker)."""
+    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across steps: eagerly, the
+    graphs of the 8 depths cost about as much host time as the clean capture's (see Worker). Its tensors are the JIT's outputs,
+    which `jit.release()` frees when the depth is done."""
     records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in local_kinds(model, i)}
-    jit = jitted(clean_attention, model, records["q"].shape, depth=i)
+    jit = engine.jit(clean_attention, model, depth=i)
     att = cls(model, i, jit(records))
-    att.jit = jit  # its tensors are the JIT's outputs, freed by release(att.jit) when the depth is done
+    att.jit = jit
     return att
-
-  def probs(self) -> list[Tensor]:  # by block of queries, kept in t as p0, p1, ... (a JIT finds the tensors of a dict, not of a list in it)
-    return [self.t[f"p{j}"] for j in range(len(spans(self.t["q"].shape[1], self.window)))]
 
   def heads(self, t:Tensor) -> Tensor: return t.float().reshape(*t.shape[:2], self.model.cfg.n_head, -1)
   def hat(self, t:Tensor) -> Tensor:  # RoPE then QK-norm, as the model does, in float32
     return qk_norm(t, self.model.cos[:t.shape[1]], self.model.sin[:t.shape[1]], dtypes.float32)
 
-  @property
-  def fused(self) -> bool: return "u16" in self.t  # on NVIDIA GPUs: the draws run kernels/flash.py's kernels (see clean_attention)
-
   def delta(self, kind:str, a:Tensor, sigma:float, n:int) -> Tensor:
     """The change of the attention output when every token's `kind` moves by sigma a (a: [n B, T, H(, hd)]), all outputs at once."""
     t = self.t
-    if kind in ("q", "k"):
-      if self.fused:  # every draw in one kernel, which makes o' - o from the change of q^ or k^ itself, in half (kernels/flash.py's delta)
-        change = self.hat(tile(t[kind], n) + sigma * a) - tile(t[kind + "h"], n)  # in float32: both are ~1, their difference ~sigma
-        return flash.delta(t["qh16"], t["kh16"], t["u16"], change.half(), kind, self.window)
-      # else a draw at a time, each realized, so that the scheduler can't order all draws' scores first (inside a JIT too: the memory
-      # plan then reuses one draw's T x T buffers for the next)
-      return Tensor.cat(*[self.rerun(kind, d, sigma).realize() for d in a.chunk(n)])
+    if kind in ("q", "k"): return moved(t, t["qh"], t["kh"], t["u"], self.hat(tile(t[kind], n) + sigma * a), kind, self.window)
     z, e = (tile(t[name], n) if name in t else None for name in ("z", "e"))
     du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(z).unsqueeze(-1),  # exact by linearity in u
           "gate": lambda: (gate(z + sigma * a) - gate(z - sigma * a)).unsqueeze(-1) * e}[kind]()
-    if self.fused: return flash.flash(t["qh16"], t["kh16"], du.half(), self.window)  # p du, p remade from q^ and k^ where it is used
-    # the clean probabilities, reused by every draw; mix materializes du, so its noise is made once and not in the matmul's loop
-    return mix(self.probs(), du, self.window)
-
-  def rerun(self, kind:str, a:Tensor, sigma:float) -> Tensor:
-    """o' - o for one draw of q or k, in float32: the whole attention again. Per draw, because a chunk's n draws at once hold n sets of
-    T x T scores (at pop 1024 on the dust preset, 8.6 GB in float32: the peak of the whole update)."""
-    t = self.t
-    qh, kh = (self.hat(t["q"] + sigma * a), t["kh"]) if kind == "q" else (t["qh"], self.hat(t["k"] + sigma * a))
-    return attention(qh, kh, t["u"], self.window) - t["o"]
+    return mixed(t, du, self.window)
 
 def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Tensor]:
   """CleanAttention's tensors at a depth, from the clean pass's records of q, k, v (and gate, ve). Run as a JIT, from copies of the
@@ -335,9 +294,7 @@ def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Te
   if "ve" in r: t["z"], t["e"] = r["gate"], att.heads(r["ve"])
   t["u"] = u + gate(t["z"]).unsqueeze(-1) * t["e"] if "ve" in r else u
   t["qh"], t["kh"] = att.hat(t["q"]), att.hat(t["k"])
-  if flash.fits(t["u"].half(), t["u"].half()): return t | {f"{n}16": t[n].half() for n in ("qh", "kh", "u")}  # what the draws' kernels read
-  t["o"] = attention(t["qh"], t["kh"], t["u"], att.window)
-  return t | {f"p{j}": p for j, p in enumerate(probs(t["qh"], t["kh"], att.window, model.dtype))}
+  return t | prepare(t["qh"], t["kh"], t["u"], att.window, model.dtype)
 
 def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = gamma^(s-t) for 0 <= s-t <= window: the reward-to-go of a perturbation at t over the outputs s it reaches."""
@@ -348,8 +305,8 @@ def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:
   """Score each draw by <target_s, delta o_s> per head, a first-order stand-in for the loss increase (so no minus sign and no
   centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
   B, T, H, hd = att.t["q"].shape
-  return accumulate(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t, target.realize(),
-                    kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)[0]
+  return mean_of(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t, target.realize(),
+                 kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)[0]
 
 def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int,
                 noise:str) -> list[Tensor]:
@@ -367,7 +324,7 @@ def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:st
 def scalar_es(model, x:Tensor, y:Tensor, sigma:float, draws:Draws) -> dict[str, Tensor]:
   """Per draw, the summed token loss at lambda +- sigma a; returns the estimate of dsum(loss)/dlambda (§3.8 divides by N)."""
   L = model.params[SCALARS[0]].shape[0]
-  E = accumulate(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, sigma=sigma)
+  E = mean_of(scalar_chunk, model, [(L,), (L,)], draws, 2 * x.numel(), x, y, sigma=sigma)
   return dict(zip(SCALARS, E))
 
 SCALARS = ("resid_lambdas", "x0_lambdas")
@@ -391,11 +348,6 @@ def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
   if dtypes.is_int(inp.dtype): return (inp.reshape(-1, 1) == Tensor.arange(shape[0])).float().T @ err / n
   return err.T @ inp.float().reshape(-1, shape[1]) / n
 
-def estimate(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> dict[str, Tensor]:
-  """The Dust estimate of the gradient of the mean token loss, one tensor per model.params entry; the same key gives the same
-  estimate (step() also returns the clean mean loss)."""
-  return step(model, x, y, pop, key, **opts)[0]
-
 def clean_capture(model, x:Tensor, y:Tensor) -> tuple[Tensor, dict[str, Tensor]]:
   """model.capture without the embeddings' inputs, which are the batch x itself: a JIT returns the tensors of the call it captured,
   so at every replay those entries would hold that call's batch."""
@@ -410,7 +362,7 @@ class Worker:
   of the step reads. Each device captures its own: a clean forward costs less than copying the activations."""
   def __init__(self, model, x:Tensor, y:Tensor, key:Tensor):
     self.model, self.x, self.y, self.key = model, x, y, key
-    self.capture = jitted(clean_capture, model, x.shape)  # a JIT: eagerly, its graph cost more host time than its kernels take
+    self.capture = engine.jit(clean_capture, model)  # a JIT: eagerly, its graph cost more host time than its kernels take
     self.loss, rec = self.capture(x, y)
     self.rec = rec | {f"{site}:in": x for site in embeddings(model)}
     self.attn:CleanAttention|None = None  # the depth that the local draws are at
@@ -432,9 +384,9 @@ def across(work:list[Worker], draws:Draws, run:Callable[[Worker, Draws], Any], u
 class Update:
   """What one update's steps share: the model, a Worker per device (the batch and its clean capture, §3.2: the first step), the
   recipe, and how direct draws rerun the network."""
-  def __init__(self, model, x:Tensor, y:Tensor, key:int, rc:Recipe, rerun:str, devices:int):
+  def __init__(self, model, x:Tensor, y:Tensor, key:Tensor, rc:Recipe, rerun:str, devices:int):
     self.model, self.rc, self.rerun, self.y = model, rc, rerun, y
-    self.work = [Worker(m, *inputs(m, x, y, root_key(key))) for m in replicas(model, devices)]
+    self.work = [Worker(m, *inputs(m, x, y, key)) for m in replicas(model, devices)]
 
   def draws(self, group:str, block:int, n:int) -> Draws:
     return Draws(self.work[0].key, GROUPS.index(group), block, range(n // self.rc.nrep), self.rc.noise)
@@ -472,7 +424,7 @@ def attention_draws(u:Update) -> dict[tuple[str, int|None], Tensor]:
       if n := rc.local[kind][model.pblock(i)]:
         err[error_site(kind, model.pblock(i)), i] = across(u.work, u.draws(kind, i, n), lambda w, d, kind=kind, i=i:
                                                            local_error(w.attn, kind, w.targets[i], rc.sigma["local"], rc.gamma, d, rc.nrep))
-    for w in u.work: release(w.attn.jit)
+    for w in u.work: w.attn.jit.release()
   return err
 
 def head_draws(u:Update) -> Tensor:
@@ -490,40 +442,31 @@ def reassemble(u:Update, err:dict[tuple[str, int|None], Tensor], scalars:dict[st
   scheduling its ~50 outer products took 1.1 s of a small-preset update's 2.6 s of host time (NULL device, 2 cores). It writes into
   buffers allocated here, so the estimate is the caller's to keep: a JIT's own outputs would be overwritten by the next step."""
   model, rec = u.model, u.work[0].rec
-  sites = tuple(err)
-  out, mean = {n: allocated(*p.shape, device=p.device) for n, p in model.params.items()}, allocated(device=u.y.device)
-  ins, which = distinct([rec[recorded(model, s + ":in", d)] for s, d in sites])
-  jitted(gradients, model, tuple(e.shape for e in err.values()), sites=sites, which=which)(list(err.values()), ins, scalars, u.work[0].loss,
-                                                                                          out, mean)
-  for w in u.work: release(w.capture)
+  out, mean = {n: engine.empty(*p.shape, device=p.device) for n, p in model.params.items()}, engine.empty(device=u.y.device)
+  inputs = [rec[recorded(model, s + ":in", d)] for s, d in err]
+  engine.jit(gradients, model, sites=tuple(err))(list(err.values()), inputs, scalars, u.work[0].loss, out, mean)
+  for w in u.work: w.capture.release()
   return out, mean
 
-def distinct(ts:list[Tensor]) -> tuple[list[Tensor], tuple[int, ...]]:
-  """A JIT's inputs must be distinct buffers: each tensor once (the embeddings share the batch), and a view into a buffer that is
-  already an input as a copy of its own (the value-embedding gate reads the first 32 channels of q's input). Returns the inputs
-  and, per tensor, the index of its input."""
-  ins:dict[UOp, Tensor] = {}
-  for t in ts:
-    if t.uop not in ins: ins[t.uop] = t.contiguous() if any(t.uop.base is u.base for u in ins) else t
-  return list(ins.values()), tuple(list(ins).index(t.uop) for t in ts)
-
-def gradients(model, errs:list[Tensor], ins:list[Tensor], scalars:dict[str, Tensor], loss:Tensor, out:dict[str, Tensor], mean:Tensor,
-              sites:tuple[tuple[str, int|None], ...], which:tuple[int, ...]):
+def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, Tensor], loss:Tensor, out:dict[str, Tensor], mean:Tensor,
+              sites:tuple[tuple[str, int|None], ...]):
   """The outer products of §3.8 into `out`: a weight used at several depths (tied across loops) sums them; a block without draws
   gets zeros (no update)."""
   grads = dict(scalars)
-  for (s, _), e, i in zip(sites, errs, which):
-    n, g = f"{s}.weight", weight_grad(e, ins[i], model.params[f"{s}.weight"].shape)
+  for (s, _), e, inp in zip(sites, errs, inputs):
+    n, g = f"{s}.weight", weight_grad(e, inp, model.params[f"{s}.weight"].shape)
     grads[n] = grads[n] + g if n in grads else g
   Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
 
-def step(model, x:Tensor, y:Tensor, pop:int, key:int, **opts) -> tuple[dict[str, Tensor], Tensor]:
-  """(the estimate, the clean mean loss of the capture pass): DUST.md §3's steps in order. opts: recipe (a Recipe, else
-  recipe(pop, budget, optimizer, n_layer, noise)), budget, optimizer, noise, rerun ("block" | "full"), devices (split every group's
-  chunks over this many devices). Draws are allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local
-  attention draws run at every depth, so a looped model gets them at every loop. Memory: the capture of every depth's activations."""
-  rc = opts.get("recipe") or recipe(pop, opts.get("budget", "1M"), opts.get("optimizer", "sgd"), model.n_pblocks, opts.get("noise", "gaussian"))
-  u = Update(model, x, y, key, rc, opts.get("rerun", "block"), opts.get("devices", 1))  # the clean capture
+def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian",
+         rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
+  """(the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the recipe for this population,
+  budget, optimizer and noise (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the captured
+  activations (§3.10), "full" reruns the whole model. devices: split every group's chunks over this many devices. Draws are
+  allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth,
+  so a looped model gets them at every loop. Memory: the capture of every depth's activations."""
+  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise)
+  u = Update(model, x, y, key, rc, rerun, devices)  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)
   err["lm_head", None] = head_draws(u)

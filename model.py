@@ -1,40 +1,25 @@
-"""The Dust GPT (DUST.md §1) and the looped RNN, as functions of one parameter dict, with noise sites at every layer output.
+"""The Dust GPT (docs/dust.md §1) and the looped RNN, as functions of one parameter dict, with noise sites at every layer output.
 
 A *site* is a layer output that Dust jitters: `losses(idx, targets, jitter={site: (key, sigma)})` adds sigma * N(0, I) from
 `key` there (with `(key, sigma, "rademacher")`, sigma * +-1). `capture` runs the clean pass and keeps each site's input and output
 plus the block inputs, so a jittered pass can start at the first jittered block instead of the embedding (`losses(..., cache=...)`,
-DUST.md §3.10).
+docs/dust.md §3.10).
 """
 from __future__ import annotations
-import itertools, math, weakref
-from typing import Callable, Iterable
+import math
+from typing import Iterable
 from dataclasses import dataclass, replace
 import numpy as np
-from tinygrad import Context, Tensor, dtypes
-from tinygrad.dtype import DType
-from tinygrad.device import Buffer, MultiBuffer
-from tinygrad.engine.jit import CapturedJit, _TinyJit
-from tinygrad.engine.realize import graph_cache
-from tinygrad.helpers import JIT
-from tinygrad.nn.state import get_parameters
-from tinygrad.tensor import all_tensors
-from tinygrad.uop.ops import Ops, UOp, buffers
+from tinygrad import Tensor, dtypes
 from kernels.attention import attention
 from kernels.embed import embedding
-from kernels.loss import fits, softcapped_loss
+from kernels.loss import cross_entropy, softcap
 from kernels.matmul import activate, linear
 from kernels.mix import scale
 from kernels.jitter import jitter
 from kernels.noise import fold
 from kernels.perturb import per_member
 from kernels.norm import norm, qk_norm, rms
-
-# tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same small integers,
-# and UOps are hash-consed: a new buffer with a placeholder's number and size *is* that placeholder, which the schedule cache keeps
-# for the life of the process, and with it the buffer's memory. A lazy forward schedules about one placeholder per activation, so the
-# first passes of a process leaked up to a forward's activations, more at every loop of the looped model (1.1 MB after two clean
-# forwards of the tiny one at 32 loops). New buffers numbered from 2^30 never meet a placeholder.
-UOp.unique_num = itertools.count(1 << 30)
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -73,8 +58,6 @@ class LoopedConfig:
     presets = {"tiny": LoopedConfig(), "small": LoopedConfig(seq_len=256, n_head=4, n_embd=256, loops=16)}
     if name not in presets: raise ValueError(f"unknown Looped preset {name!r}; choose one of {', '.join(presets)}")
     return replace(presets[name], **overrides)
-
-def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()  # smoothly into (-cap, cap)
 
 def init_params(shapes:dict[str, tuple[tuple[int, ...], str, float]], seed:int) -> dict[str, Tensor]:
   """shapes: name -> (shape, kind, scale). Drawn with NumPy so the same seed gives the same weights on every backend."""
@@ -129,7 +112,7 @@ class Pass:
     return self.site(name, activate(x, act), linear(xc, w, act, self.noise(name)), jittered=True)  # the noise in the matmul's epilogue
 
 class GPT:
-  def __init__(self, cfg:GPTConfig, seed:int=0, dtype:DType=dtypes.float32):
+  def __init__(self, cfg:GPTConfig, seed:int=0, dtype=dtypes.float32):
     self.cfg, self.dtype = cfg, dtype
     d, V, L = cfg.n_embd, cfg.vocab, self.n_pblocks
     assert d % cfg.n_head == 0 and (d // cfg.n_head) % 2 == 0, "n_embd / n_head must be an even head dim"
@@ -240,17 +223,13 @@ class GPT:
 
   def head(self, p:Pass, x:Tensor, targets:Tensor) -> Tensor:
     p.depth = None
-    z = p.linear("lm_head", norm(x, self.dtype))
-    if fits(z, self.cfg.softcap): return softcapped_loss(z, targets, self.cfg.softcap)  # one CUDA kernel on NVIDIA GPUs (kernels/loss.py)
-    c = softcap(z.float(), self.cfg.softcap)
-    # contiguous: a consumer that sums the losses would otherwise fuse the vocab reductions into its own (8.5 s, not 1 ms, on the H200)
-    return (c.logsumexp(-1) - c.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).contiguous()
+    return cross_entropy(p.linear("lm_head", norm(x, self.dtype)), targets, self.cfg.softcap)
 
 class Looped(GPT):
   """One weight-tied block applied `loops` times: recurrence in depth. The embedding x0 re-enters at every loop through the
   block's residual mix (h = resid_lambda x + x0_lambda x0). A site inside the block is jittered independently at each loop
   (its key folded with the loop index), and its records are kept per loop as `name@i`."""
-  def __init__(self, cfg:LoopedConfig, seed:int=0, dtype:DType=dtypes.float32):
+  def __init__(self, cfg:LoopedConfig, seed:int=0, dtype=dtypes.float32):
     self.loops = cfg.loops
     super().__init__(cfg, seed, dtype)  # type: ignore[arg-type]
 
@@ -278,146 +257,3 @@ class Looped(GPT):
     saved, self.loops = self.loops, loops or self.loops
     try: return super().losses(idx, targets, jitter, cache, params)
     finally: self.loops = saved
-
-def per_call(n:int, tokens:int, most:int) -> int:
-  """How many of n equal pieces of `tokens` tokens one JIT call runs: the most that divide n (so every call has one shape, one JIT)
-  and hold at most `most` tokens together, at least one."""
-  return max(c for c in range(1, n + 1) if n % c == 0 and (c == 1 or c * tokens <= most))
-
-class Scratch:
-  """One arena per device for the memory plans of every JIT. tinygrad plans a JIT's intermediates into an arena of its own: the ~45
-  JITs of a Dust update held 4.5 GiB so at the small preset (pop 256, H200), and freeing each arena after its call instead (`release`)
-  made tinygrad rebuild the JIT's CUDA graph at its next call (0.21 s a step, against 0.15 s holding every arena). JITs run one after
-  another on a device's queue, so they can share one arena, as the buffers inside one plan do: each planned arena becomes a view
-  into its device's, as large as the largest plan. A JIT with a copy keeps its own: a copy to another device may still be reading it
-  when the next JIT writes there."""
-  def __init__(self):
-    self.base:dict[str, Buffer] = {}
-    self.users:list[tuple[CapturedJit, list[tuple[UOp, int]]]] = []  # each JIT's arenas and their offsets in its device's arena
-
-  @property
-  def arenas(self) -> set[UOp]: return {u for _, offsets in self.users for u, _ in offsets}
-
-  def free(self) -> None:
-    """Before a capture, which runs on an arena of its own: else the largest plan would be held twice while the next one is captured."""
-    for captured, _ in self.users: drop_graphs(captured)  # they hold the arenas' addresses; a replay makes them again
-    for old in self.base.values(): self.forget(old)
-    for u in self.arenas: buffers.pop(u, None)
-    self.base.clear()
-
-  def adopt(self, captured:CapturedJit|None) -> None:
-    """After a capture: its arenas join the shared ones, placed one after another per device, and every JIT's are placed again."""
-    outputs = {t.uop.base for t in get_parameters(captured.ret)} if captured else set()
-    # the planner's arenas are its only int8 buffers; anything else a JIT writes (an output, an optimizer's weights) is not scratch
-    planned = [u for u in captured._written_uops if u.dtype == dtypes.int8 and isinstance(u.device, str) and u not in outputs] if captured else []
-    if planned and not any(u.op is Ops.COPY for u in captured.linear.toposort()):
-      drop_graphs(captured)
-      offsets, end = [], {}
-      for u in planned:
-        offsets.append((u, end.get(u.device, 0)))
-        end[u.device] = end.get(u.device, 0) + u.nbytes()  # the planner rounds arenas to 256 bytes, so each view stays aligned
-        self.forget(buffers.pop(u, None))
-      self.users.append((captured, offsets))
-    need:dict[str, int] = {}
-    for _, offsets in self.users:
-      for u, off in offsets: need[u.device] = max(need.get(u.device, 0), off + u.nbytes())
-    self.base = {dev: Buffer(dev, n, dtypes.int8) for dev, n in need.items()}
-    for _, offsets in self.users:
-      for u, off in offsets: buffers[u] = Buffer(u.device, u.nbytes(), dtypes.int8, base=self.base[u.device], offset=off)
-
-  @staticmethod
-  def forget(old:Buffer|MultiBuffer|None) -> None:
-    """Drop the views tinygrad derived from a buffer no longer used: the next run derives them from the buffer that replaced it."""
-    for k in [k for k, b in list(buffers.items()) if old is not None and isinstance(b, Buffer) and b._base is old]: del buffers[k]
-
-SCRATCH = Scratch()
-
-def drop_graphs(captured:CapturedJit) -> None:
-  for call in captured.linear.src:
-    if call.src[0].op is Ops.CUSTOM_FUNCTION and call.src[0].arg == "graph": graph_cache.pop(call.src[0], None)
-
-class Jit(_TinyJit):
-  """A TinyJit whose memory plan, once captured, lives in the shared Scratch, and whose replays take whole buffers as they are."""
-  def __call__(self, *args, **kwargs):
-    if self.cnt >= 2 and JIT and not kwargs and (bufs := self.whole_inputs(args)) is not None:
-      self.cnt += 1
-      return self.captured(bufs, {v.expr: val for v, val in (a.unbind() for a in args if isinstance(a, UOp))})
-    capture = self.cnt == 1 and bool(JIT)
-    if capture: SCRATCH.free()
-    try: return super().__call__(*args, **kwargs)
-    finally:
-      if capture: SCRATCH.adopt(self.captured)  # after a failed capture too: the other JITs' arenas come back
-
-  def whole_inputs(self, args:tuple) -> list[UOp]|None:
-    """A replay's input buffers, when every input is a whole buffer (realized, or an array to copy in) in the shape, dtype and device
-    the capture saw; None otherwise, for tinygrad's own preparation. That finds each input's view of its buffer by two graph rewrites
-    (70-96 us an input on a 2-core CPU; two thirds of backprop's JIT calls' host time on the H200's machine), before the replay's first
-    kernel, while the GPU waits: a step's sync leaves it idle until then (docs/performance.md, "The host time between steps")."""
-    ts = [a for a in args if isinstance(a, Tensor)]
-    names, info = self.captured.expected_names, self.captured.expected_input_info
-    if any(isinstance(a, (list, tuple, dict)) for a in args) or names != [i for i, a in enumerate(args) if isinstance(a, Tensor)]: return None
-    if lazy := [t for t in ts if not t.uop.is_realized]: Tensor.realize(*lazy)
-    for t, (view, vs, dtype, device) in zip(ts, info):
-      u = t.uop  # a buffer, which the capture recorded as NOOP, or a reshape of one, recorded as NOOP under the same reshape
-      if u.op is Ops.RESHAPE and view.op is Ops.RESHAPE and view.src[1] is u.src[1]: u, view = u.src[0], view.src[0]
-      if not (u.op is Ops.BUFFER and view.op is Ops.NOOP and vs == () and t.dtype == dtype and t.device == device): return None
-    bufs = [t.uop.base for t in ts]
-    return bufs if len(set(bufs)) == len(bufs) else None
-
-_jits:dict[tuple, Jit] = {}
-def jitted(fn:Callable, owner, *shape, **static) -> Jit:
-  """One Jit per (function, owner, input shape, knobs), kept for the process, calling fn(owner, *inputs, **knobs); the owner is the
-  model (or optimizer) whose tensors fn reads. Python values are frozen into a captured JIT, so they key the cache; the owner's id
-  does too, and the JIT's closure keeps the owner alive, so an id is never reused.
-  It captures at its first call. A TinyJit runs its first call eagerly, as a warm-up for functions that set up state on first use
-  (these don't: all they read is an input or already realized); eagerly, there is no memory plan, so the first Dust update at pop
-  1024 peaked at 46.5 GiB on the H200 against 8.0 for the next, and every graph was scheduled twice, eagerly and to capture.
-  The capture runs `apart`, so that no tensor outside the JIT is left reading the JIT's own buffers."""
-  k = (fn, id(owner), shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # fn itself: two functions may share a name
-  if k not in _jits:
-    _jits[k] = Jit(lambda *a: apart(fn, owner, *a, **static))
-    _jits[k].cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
-  return _jits[k]
-
-def allocated(*shape:int, dtype=dtypes.float32, device:str) -> Tensor:
-  """An empty tensor with its memory, for a JIT to assign into: a JIT that assigns into a bare Tensor.empty it is handed leaves the
-  result in memory that the next allocation reuses (tinygrad 0.14: the estimates came out as garbage)."""
-  t = Tensor.empty(*shape, dtype=dtype, device=device)
-  t.uop.buffer.ensure_allocated()
-  return t
-
-def apart(fn:Callable, *a, **kw):
-  """fn(*a, **kw) and its results realized, with the lazy tensors that exist now out of tinygrad's sight. Realizing rewrites every
-  live tensor that shares the realized nodes to read their new buffers, and UOps are hash-consed: a user's lazy forward on the same
-  batch and weights *is* the graph that a Dust capture realizes. Inside a JIT's capture those buffers are the JIT's own, which its
-  next replay writes again and `release` frees, so that tensor would read another batch's values or freed memory (test_lazy). Out of
-  sight, it stays lazy and computes its own values when it is realized. A pending assign is done first, outside: captured, it would be
-  done again at every replay. A tensor that the capture assigns to must be realized before it, as its inputs are (the optimizers'
-  state is). A TinyJit calls its function only to capture it (and at every call under JIT=0), so a replay pays nothing."""
-  def live() -> list[Tensor]: return [t for ref in list(all_tensors) if (t := ref()) is not None]
-  if pending := [t for t in live() if t.uop.base.op is Ops.AFTER]:
-    with Context(CAPTURING=0): Tensor.realize(*pending)  # run now, not recorded into the capture
-  hidden = [t for t in live() if not t.uop.is_realized]
-  for t in hidden: del all_tensors[weakref.ref(t)]
-  try:
-    ret = fn(*a, **kw)
-    if outs := get_parameters(ret): Tensor.realize(*outs)  # here, not in TinyJit after this returns: that realize would rewrite them too
-    return ret
-  finally:
-    for t in hidden: all_tensors[weakref.ref(t)] = None
-
-def release(jit:Jit) -> None:
-  """Free what a captured JIT writes of its own (its outputs, and its arenas where they are not the Scratch's) until its next replay,
-  which allocates them again and rebuilds its graphs. tinygrad 0.14's free_intermediates frees the arenas but keeps each
-  intermediate's view into them with its old address, and a replay then writes through those views into whatever owns that memory
-  by then; so the views are deallocated first, and a replay derives them from the re-allocated buffer. Under JIT=0 nothing is
-  captured, and nothing of a call is kept."""
-  if (captured := jit.captured) is None: return
-  shared = SCRATCH.arenas
-  own = {x for u in captured._written_uops if u not in shared and (b := buffers.get(u)) is not None
-         for x in (b.bufs if isinstance(b, MultiBuffer) else (b,))}
-  if not own: return
-  for view in [b for b in list(buffers.values()) if isinstance(b, Buffer) and b._base in own and b.is_initialized()]: view.deallocate()
-  drop_graphs(captured)
-  for b in own:
-    if b.is_initialized(): b.deallocate()

@@ -11,11 +11,14 @@ Rows are taken in blocks of BLOCK queries, and each block multiplies only the ke
 about half of the T x T products for a full causal window, less for a window of half the context. Tensor ops can't keep w out of
 memory, so w of one block is written and read back; on NVIDIA GPUs `attention` is kernels/flash.py's kernel instead, which doesn't.
 q, k and v come in as the projections lay them out, [B, T, H, hd]: the CUDA kernel reads them so, the tensor ops take heads first.
+
+Dust's attention draws (dust.py) change one attention many times: `prepare` makes what they read once, and `moved` (q or k moved)
+and `mixed` (the values moved) give every draw's change of the output at once, on the CUDA kernels or in tensor ops.
 """
 import math
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
-from kernels.flash import fits, flash
+from kernels.flash import delta, fits, flash
 
 BLOCK = 256  # queries per block
 
@@ -63,3 +66,30 @@ def attention(q:Tensor, k:Tensor, v:Tensor, window:int, block:int=BLOCK) -> Tens
     w = weights(q[:, :, s0:s1], k[:, :, t0:s1], s0, t0, window, v.dtype)
     return (w.matmul(v[:, :, t0:s1], dtype=dtypes.float32) / w.float().sum(-1, keepdim=True)).cast(v.dtype).contiguous()
   return Tensor.cat(*[rows(*s) for s in spans(q.shape[2], window, block)], dim=2).transpose(1, 2).contiguous()  # tokens first again
+
+# ***** one attention changed by many draws (Dust's attention internals) *****
+
+def prepare(qh:Tensor, kh:Tensor, u:Tensor, window:int, dtype:DType) -> dict[str, Tensor]:
+  """What `moved` and `mixed` read, made once from the clean attention's q^, k^ (RoPE'd and normed) and values u [B, T, H, hd] in
+  float32: on NVIDIA GPUs half copies of the three, which kernels/flash.py's kernels read (they remake the probabilities, so none are
+  kept); elsewhere the clean output o and the probabilities p by block of queries, kept in `dtype`."""
+  if fits(qh.half(), u.half()): return {"qh16": qh.half(), "kh16": kh.half(), "u16": u.half()}
+  return {"o": attention(qh, kh, u, window)} | {f"p{j}": p for j, p in enumerate(probs(qh, kh, window, dtype))}
+
+def moved(prep:dict[str, Tensor], qh:Tensor, kh:Tensor, u:Tensor, new:Tensor, moving:str, window:int) -> Tensor:
+  """o' - o in float32 for n draws at once, when q^ (moving "q") or k^ ("k") becomes `new` [n B, T, H, hd] (float32). On NVIDIA GPUs
+  one kernel for all draws (flash.delta) makes it from the change of q^ or k^ itself, taken in float32 (both are ~1, the change ~σ)
+  and then rounded to half. Elsewhere the whole attention again, in float32 (half measured slower), a draw at a time, each realized,
+  so that the scheduler can't order all draws' scores first: all n at once held n sets of T x T scores (at pop 1024 on the dust
+  preset, 8.6 GB, the peak of the whole update), where a JIT's memory plan now reuses one draw's for the next."""
+  n, old = new.shape[0] // u.shape[0], qh if moving == "q" else kh
+  if "u16" in prep: return delta(prep["qh16"], prep["kh16"], prep["u16"], (new - old.repeat(n, 1, 1, 1)).half(), moving, window)
+  def rerun(d:Tensor) -> Tensor: return attention(d if moving == "q" else qh, d if moving == "k" else kh, u, window) - prep["o"]
+  return Tensor.cat(*[rerun(d).realize() for d in new.chunk(n)])
+
+def mixed(prep:dict[str, Tensor], du:Tensor, window:int) -> Tensor:
+  """p du in float32 [n B, T, H, hd]: the change of the output when the values move by du, exact by linearity. On NVIDIA GPUs the flash
+  kernel (p remade from q^ and k^ where it is used); elsewhere the kept probabilities, reused by every draw (mix materializes du, so
+  its noise is made once and not inside the matmul's loop)."""
+  if "u16" in prep: return flash(prep["qh16"], prep["kh16"], du.half(), window)
+  return mix([prep[f"p{j}"] for j in range(len(spans(du.shape[1], window)))], du, window)

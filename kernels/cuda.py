@@ -1,15 +1,12 @@
-"""CUDA C kernels inside tinygrad: the pieces that the kernels of kernels/ (matmul, flash, loss, norm) share.
+"""CUDA C kernels inside tinygrad: the pieces that the kernels of kernels/ (matmul, flash, loss, norm, ...) share.
 
 A kernel reaches tinygrad as a PROGRAM whose source is CUDA C: tinygrad compiles it with NVRTC, and its scheduler, JIT and memory
-planner treat it as one of its own kernels. They are used where tinygrad's renderer is CUDA C for an sm_80+ GPU (cp.async, and
-mma.sync at 16x8x16 with half inputs and float accumulation); everywhere else the callers fall back to tinygrad's tensor ops.
-Each has a gradient, a grad_fxn made of kernels too (`operands` hands it the kernel's buffers), so backprop, the reference baseline,
-runs on them; Context(CUDA_KERNELS=0) turns them off, which is how to compare them with tinygrad's own (`CUDA_KERNELS=0 python ...`).
+planner treat it as one of its own kernels. Where they run is kernels/__init__.py's table (an NVIDIA GPU of sm_80 or later: cp.async,
+and mma.sync at 16x8x16 with half inputs and float accumulation). Each has a gradient, a grad_fxn made of kernels too (`operands` hands
+it the kernel's buffers), so backprop, the reference baseline, runs on them.
 """
 from tinygrad import Device, Tensor
-from tinygrad.helpers import ContextVar
 from tinygrad.renderer import Estimates
-from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
@@ -35,15 +32,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
 }
 __device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2half2_rn(x, y); return *(unsigned *)&h; }
 """
-
-CUDA_KERNELS = ContextVar("CUDA_KERNELS", 1)
-
-def sm(device:str) -> int:
-  """The compute capability that tinygrad renders CUDA C for on `device` (90 on an H200), 0 where it doesn't."""
-  r = Device[device].renderer
-  return int(r.target.arch[3:]) if isinstance(r, CUDARenderer) and r.target.arch.startswith("sm_") else 0
-
-def available(device:str) -> bool: return bool(CUDA_KERNELS) and sm(device) >= 80
 
 def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, arch:str|None=None,
             outs:int=1):

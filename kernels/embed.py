@@ -7,7 +7,8 @@ dust preset's 4,096 x 512 table at 16,384 tokens. The kernel (GRAD) gives each r
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import UOp
-from kernels.cuda import available, program
+from kernels import cuda_kernels
+from kernels.cuda import program
 
 GRAD = r"""
 #define D {D}  // a row of the table: 128 threads, D / 128 columns each
@@ -45,5 +46,5 @@ def grad(dy:UOp, call:UOp) -> tuple[UOp|None, ...]:
 def embedding(w:Tensor, idx:Tensor, dtype:DType) -> Tensor:
   """w[idx] in `dtype`. Where GRAD runs (half on an NVIDIA GPU, rows by 128, tokens by 128), the lookup is tinygrad's own inside a
   function whose gradient is GRAD."""
-  if not (available(w.device) and dtype == dtypes.half and w.shape[1] % 128 == 0 and idx.numel() % 128 == 0): return w.cast(dtype)[idx]
+  if not (cuda_kernels(w.device) and dtype == dtypes.half and w.shape[1] % 128 == 0 and idx.numel() % 128 == 0): return w.cast(dtype)[idx]
   return w.call(idx, fxn=w.as_param(0).cast(dtype)[idx.as_param(1)], grad_fxn=grad)

@@ -20,7 +20,8 @@ import functools, math
 from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
-from kernels.cuda import available, operands, program
+from kernels import cuda_kernels
+from kernels.cuda import operands, program
 
 HD, BQ = 64, 128  # head dim, queries per block
 
@@ -351,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(128) {NAME}(half *__restrict__ DK, 
 
 def fits(q:Tensor, v:Tensor) -> bool:
   """q [QB, T, H, hd] and v [B, T, H, hd]: half, hd = 64, T a multiple of the query block, QB dividing B, on a GPU that runs kernels/cuda.py's."""
-  return available(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[1] % BQ == 0 and \
+  return cuda_kernels(q.device) and q.dtype == v.dtype == dtypes.half and q.shape[-1] == HD and q.shape[1] % BQ == 0 and \
     v.shape[0] % q.shape[0] == 0
 
 def pairs(T:int, window:int) -> int: return sum(min(s, window) + 1 for s in range(T))  # (query, key) pairs under the mask

@@ -7,7 +7,8 @@ Its noise is kernels/noise.py's gaussian, computed with CUDA's own functions: th
 to float32 rounding, and the sum is rounded to half as tinygrad's half addition rounds it.
 """
 from tinygrad import Tensor, dtypes
-from kernels.cuda import available, program
+from kernels import cuda_kernels
+from kernels.cuda import program
 from kernels.noise import runs
 
 NOISE = r"""
@@ -68,7 +69,7 @@ def jitter(x:Tensor, key:Tensor, sigma:float, noise:str="gaussian") -> Tensor:
   """x + sigma * runs(key, x.shape, noise) in x's dtype, written once (it is never recomputed inside the consumer's matmul loops).
   key [2], or [G, 2]: G runs along the first axis. The kernel takes half x, Gaussian noise, and runs of 8 values and blocks of 2048."""
   G, n = parts(key), x.numel()
-  if not (available(x.device) and x.dtype == dtypes.half and noise == "gaussian" and n % 2048 == 0 and n // G % 8 == 0):
+  if not (cuda_kernels(x.device) and x.dtype == dtypes.half and noise == "gaussian" and n % 2048 == 0 and n // G % 8 == 0):
     return (x + (sigma * runs(key, x.shape, noise)).cast(x.dtype)).contiguous()
   name = f"jitter_{n}_{tag(key, sigma)}"
   fxn = program(x.device, name, SOURCE.format(NAME=name, NOISE=NOISE, RUN=n // G, SIGMA=literal(sigma)), (n // 2048,), 256, 3, 40 * n, 4 * n)

@@ -28,7 +28,8 @@ import functools
 from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
-from kernels.cuda import available, operands, program, sm
+from kernels import cuda_kernels, sm
+from kernels.cuda import operands, program
 from kernels.jitter import NOISE, jitter, literal, parts, tag
 
 TILE = (128, 128, 32)  # M, N, K of a block's step: the shapes must divide
@@ -307,7 +308,7 @@ def tuned(x:Tensor, w:Tensor) -> bool:
   """Whether the kernel applies: half inputs, a CUDA GPU it runs on (kernels/cuda.py), and shapes the tile divides (each weight's
   rows, for a batch of weights)."""
   rows, G = x.numel() // x.shape[-1], 1 if w.ndim == 2 else w.shape[0]
-  return available(x.device) and x.dtype == dtypes.half and rows % G == 0 and \
+  return cuda_kernels(x.device) and x.dtype == dtypes.half and rows % G == 0 and \
     all(s % t == 0 for s, t in zip((rows // G, *w.shape[-2:]), TILE))
 
 def activate(x:Tensor, act:str|None) -> Tensor: return ACTS[act][0](x) if act else x
@@ -328,7 +329,7 @@ def epilogue(x:Tensor, w:Tensor, noise:tuple) -> bool:  # whether matmul draws a
   return w.ndim == 2 and tuple(noise[2:]) in ((), ("gaussian",)) and x.numel() // x.shape[-1] % (16 * parts(noise[0])) == 0
 
 def product(x:Tensor, w:Tensor, act:str|None) -> Tensor:  # linear where matmul's tiles don't apply
-  if w.ndim == 2 and available(x.device): return untiled(activate(x, act).reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+  if w.ndim == 2 and cuda_kernels(x.device): return untiled(activate(x, act).reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
   if w.ndim == 2: return (activate(x, act) @ w.cast(x.dtype).T).contiguous()
   xg = activate(x, act).reshape(w.shape[0], -1, x.shape[-1])
   return (xg @ w.cast(x.dtype).transpose(-1, -2)).reshape(*x.shape[:-1], w.shape[-2]).contiguous()

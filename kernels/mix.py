@@ -1,4 +1,4 @@
-"""One scalar of a vector times a tensor, w[i] x: the GPT's residual mix (DUST.md §1), and on NVIDIA GPUs its gradient for w as a CUDA
+"""One scalar of a vector times a tensor, w[i] x: the GPT's residual mix (docs/dust.md §1), and on NVIDIA GPUs its gradient for w as a CUDA
 kernel. tinygrad differentiates it as one sum of dy x over the whole stream, which it ran in blocks of 16 threads: the 16 scalars took
 2.6 ms of a dust-preset backprop step (H200). DOT gives each of BLOCKS blocks of 256 threads a slice of the stream, and tinygrad adds
 their sums.
@@ -7,7 +7,8 @@ import functools
 from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
-from kernels.cuda import available, program
+from kernels import cuda_kernels
+from kernels.cuda import program
 
 DOT = r"""
 #define N {N}
@@ -29,7 +30,7 @@ BLOCKS = 264  # two per SM of an H200
 
 def scale(w:Tensor, i:int, x:Tensor) -> Tensor:
   """w[i] * x. Where DOT runs (x float32, of a size by 4, on an NVIDIA GPU) inside a function whose gradient for w is DOT's."""
-  if not (available(x.device) and x.dtype == dtypes.float32 and x.numel() % 4 == 0): return w[i] * x
+  if not (cuda_kernels(x.device) and x.dtype == dtypes.float32 and x.numel() % 4 == 0): return w[i] * x
   return w.call(x, fxn=w.as_param(0)[i] * x.as_param(1), grad_fxn=grad(i))
 
 @functools.cache

@@ -9,19 +9,15 @@ the consumer kernel computes the noise in its own loop.
 Child keys come from `fold`, on counters (d, 1): the data stream only ever uses counters (i, 0), so the two never meet.
 """
 import functools, math
+from math import prod
 import numpy as np
-from tinygrad import Device, Tensor, dtypes
-from tinygrad.helpers import prod
-from tinygrad.uop.ops import Ops
+from tinygrad import Tensor, dtypes
+from kernels import native_sin
+import engine
 
 def key(seed:int) -> Tensor:
-  """The root key of an integer seed, realized: pass it to a TinyJit as an input, so a new seed never recompiles. Written by the
-  device's copy-in: Tensor([...]).realize() schedules a copy program at every call, 0.94 ms of host time on a 2-core CPU against 0.12,
-  which MeZO and ES pay at every step."""
-  k = Tensor.empty(2, dtype=dtypes.uint32)
-  buf = k.uop.buffer.ensure_allocated()
-  buf.allocator._copyin(buf._buf, memoryview(np.array([seed & 0xffffffff, (seed >> 32) & 0xffffffff], np.uint32)).cast("B"))
-  return k
+  """The root key of an integer seed, realized: pass it to a TinyJit as an input, so a new seed never recompiles."""
+  return engine.tensor(np.array([seed & 0xffffffff, (seed >> 32) & 0xffffffff], np.uint32))
 
 def _k64(key:Tensor) -> Tensor: return (key[..., 1].cast(dtypes.uint64) << 32) | key[..., 0].cast(dtypes.uint64)
 def _words(x:Tensor) -> Tensor: return Tensor.stack(x.cast(dtypes.uint32), (x >> 32).cast(dtypes.uint32), dim=-1)
@@ -48,13 +44,13 @@ def _uniform(w:Tensor) -> Tensor:  # uint32 -> float32 in [0, 1): the top 23 bit
 SIN, COS = [(-1) ** i / math.factorial(2 * i + 1) for i in range(6)], [(-1) ** i / math.factorial(2 * i) for i in range(7)]
 def _horner(x2:Tensor, coefs:list[float]) -> Tensor: return functools.reduce(lambda acc, c: x2 * acc + c, reversed(coefs[:-1]), coefs[-1])
 
-def _cos_turn(w:Tensor) -> Tensor:
-  """cos(2 pi u) for the uniform u = _uniform(w) of a uint32 word. A backend with a sin of its own (CUDA, Metal, AMD) takes it. For the
-  others (the CPU) tinygrad renders a software sin whose range reduction was 2/3 of a Gaussian's time: there, w's top 2 bits are the
-  quadrant q = floor(4u), phi = (4u - q) pi/2 the angle within it (both exact), and cos(q pi/2 + phi) is +-cos or +-sin of phi, short
-  polynomials on [0, pi/2). The two agree to float32 rounding."""
+def cos_turn(w:Tensor) -> Tensor:
+  """cos(2 pi u) for the uniform u = _uniform(w) of a uint32 word. A backend with a sin of its own (CUDA, Metal, AMD) takes it
+  (kernels/__init__.py's table). For the others (the CPU) tinygrad renders a software sin whose range reduction was 2/3 of a
+  Gaussian's time: there, w's top 2 bits are the quadrant q = floor(4u), phi = (4u - q) pi/2 the angle within it (both exact),
+  and cos(q pi/2 + phi) is +-cos or +-sin of phi, short polynomials on [0, pi/2). The two agree to float32 rounding."""
   u = _uniform(w)
-  if Ops.SIN in Device[w.device].renderer.code_for_op: return (u * (2 * math.pi)).cos()
+  if native_sin(w.device): return (u * (2 * math.pi)).cos()
   q = w >> 30
   phi = (u * 4 - q.cast(dtypes.float32)) * (math.pi / 2)
   x2 = phi * phi
@@ -71,7 +67,7 @@ def gaussian(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:
   w = Tensor.stack(b.cast(dtypes.uint32), (b >> 32).cast(dtypes.uint32), dim=-1)
   r = ((1.0 - _uniform(w << 16)).log() * -2.0).sqrt()
   t = w & 0xffff0000  # sin(t) = cos(t - pi/2): a quarter turn back is 3/4 of one forward, modulo 2^32
-  z = Tensor.stack(r * _cos_turn(t), r * _cos_turn(t + 0xc0000000), dim=-1).reshape(batch + (-1,))
+  z = Tensor.stack(r * cos_turn(t), r * cos_turn(t + 0xc0000000), dim=-1).reshape(batch + (-1,))
   return (z if z.shape[-1] == n else z[..., :n]).reshape(batch + tuple(shape)).cast(dtype)
 
 def rademacher(key:Tensor, shape:tuple[int, ...], dtype=dtypes.float32) -> Tensor:

@@ -12,7 +12,8 @@ of the tensor ops spent 4.7 ms on them in a dust-preset backprop step (H200), in
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import UOp
-from kernels.cuda import available, operands, program
+from kernels import cuda_kernels
+from kernels.cuda import operands, program
 
 def rms(x:Tensor, eps:float=1e-6) -> Tensor: return x * (x.float().square().mean(-1, keepdim=True) + eps).rsqrt().cast(x.dtype)
 
@@ -97,7 +98,7 @@ def qk_grad(dy:UOp, call:UOp) -> tuple[UOp|None, ...]:
   return None, Tensor.empty(*x.shape, dtype=x.dtype, device=x.device).custom_kernel(x, cos, sin, Tensor(dy).cast(y.dtype), fxn=fxn)[0].uop, None, None
 
 def qk_fits(x:Tensor, dtype:DType) -> bool:  # x [B, T, H, 64], 64 rows to a block, in half or float32, as is the output
-  return available(x.device) and x.ndim == 4 and x.shape[-1] == 64 and (x.numel() // 64) % 64 == 0 and x.dtype in CTYPE and dtype in CTYPE
+  return cuda_kernels(x.device) and x.ndim == 4 and x.shape[-1] == 64 and (x.numel() // 64) % 64 == 0 and x.dtype in CTYPE and dtype in CTYPE
 
 def qk_norm(x:Tensor, cos:Tensor, sin:Tensor, dtype:DType) -> Tensor:
   """rms(rope(x)) in float32 for the heads x [B, T, H, hd], RoPE's tables cos, sin [T, 1, hd / 2] -> `dtype` (the attention's)."""
@@ -168,7 +169,7 @@ ADD = """const uint2 u = *(const uint2 *)(A + row + k * 128 + lane * 4);  // + y
 
 def norm_fits(x:Tensor, dtype:DType, y:Tensor|None=None) -> bool:  # a half output; D by 128 up to 2,048 (a lane keeps D / 32); rows by 8
   D = x.shape[-1]
-  return available(x.device) and x.dtype == dtypes.float32 and dtype == dtypes.half and D % 128 == 0 and D <= 2048 and \
+  return cuda_kernels(x.device) and x.dtype == dtypes.float32 and dtype == dtypes.half and D % 128 == 0 and D <= 2048 and \
     (x.numel() // D) % 8 == 0 and (y is None or y.dtype == dtypes.half)
 
 def norm_grad(dy:UOp, call:UOp) -> tuple[UOp|None, ...]:

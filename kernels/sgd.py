@@ -6,7 +6,8 @@ parameter. The gradient comes as zo.Flat's one buffer, read at each parameter's 
 """
 import itertools
 from tinygrad import Tensor, dtypes
-from kernels.cuda import available, program
+from kernels import cuda_kernels
+from kernels.cuda import program
 
 SOURCE = r"""
 // 1,024 values of one parameter a block, 4 a thread, 256 apart: each load of a warp is 128 contiguous bytes
@@ -34,7 +35,7 @@ def source(name:str, sizes:list[int], offsets:list[int], groups:list[int], mu:fl
               for i, (n, a, j) in enumerate(zip(sizes, offsets, groups))]
   return SOURCE.format(NAME=name, MU=repr(float(mu)), ARGS=", ".join(args), BRANCHES="\n".join(branches))
 
-def fits(theta:Tensor, buf:Tensor) -> bool: return available(theta.device) and theta.dtype == buf.dtype == dtypes.float32
+def fits(theta:Tensor, buf:Tensor) -> bool: return cuda_kernels(theta.device) and theta.dtype == buf.dtype == dtypes.float32
 
 def step(thetas:tuple[Tensor, ...], bs:tuple[Tensor, ...], buf:Tensor, offsets:list[int], lrs:tuple[Tensor, ...], mu:float) -> list[Tensor]:
   """The thetas, then the bs, after one step on their gradients buf[offset : offset + theta.numel()] (float32, all of them), each with

@@ -29,7 +29,7 @@ from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import dust, zo
+import dust, estimators, optim, zo
 
 PEAK = [0]
 _allocate = Buffer.allocate
@@ -90,30 +90,30 @@ def noise_row(model, n:int) -> dict:
   WINDOW steps of seeds (WINDOW·DIRECTIONS·D values). Each a TinyJit, timed like the forward; the updates move the weights by 1e-12."""
   params, k = model.params, key(1)
   gen = TinyJit(lambda k: Tensor.realize(*[gaussian(fold(k, i), p.shape) for i, p in enumerate(params.values())]))
-  g = zo.Compact(fold(k, Tensor.arange(DIRECTIONS)).contiguous().realize(), Tensor.full((DIRECTIONS,), 1e-9).contiguous().realize())
-  dense, replay = (zo.Optimizer(params, {p: 1e-3 for p in params}, "sgd", 0.9, w) for w in (0, WINDOW))
+  g = estimators.Compact(k, Tensor.full((DIRECTIONS,), 1e-9).contiguous().realize())
+  dense, replay = (optim.Optimizer(params, {p: 1e-3 for p in params}, "sgd", 0.9, w) for w in (0, WINDOW))
   for _ in range(2): gen(k); dense.step(g); replay.step(g)  # capture
   D = model.num_params()
   return {"gen": D / timed(lambda: gen(k), n), "dense": DIRECTIONS * D / timed(lambda: dense.step(g), n),
           "replay": WINDOW * DIRECTIONS * D / timed(lambda: replay.step(g), n)}
 
 class ByKind:
-  """Seconds of each kind of Dust chunk group in a step: dust.accumulate timed between device syncs (one device only). The step is
+  """Seconds of each kind of Dust chunk group in a step: dust.mean_of timed between device syncs (one device only). The step is
   an extra one, after the timed ones: at each sync the device idles while the host queues the next group. What the kinds leave out
   is the capture, the reassembly and the update."""
   def __init__(self): self.times, self.step = {}, 0.0  # seconds per kind; of the whole step
   def __call__(self, chunk, *args, **static):
     sync()
     st = time.perf_counter()
-    out = self.accumulate(chunk, *args, **static)
+    out = self.mean_of(chunk, *args, **static)
     sync()
     kind = chunk.__name__.removesuffix("_chunk") + (f":{static['kind']}" if "kind" in static else "")
     self.times[kind] = self.times.get(kind, 0.0) + time.perf_counter() - st
     return out
   def __enter__(self):
-    self.accumulate, dust.accumulate = dust.accumulate, self
+    self.mean_of, dust.mean_of = dust.mean_of, self
     return self
-  def __exit__(self, *exc): dust.accumulate = self.accumulate
+  def __exit__(self, *exc): dust.mean_of = self.mean_of
 
 def forwards(model, method:str, pop:int) -> float:
   """The forwards a step's arithmetic needs (the module's docstring)."""
@@ -124,12 +124,12 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
   steps are at least n and fill about `fill` seconds, sized by one step: three steps of the small preset's backprop (~2 ms each) varied
   by 20% between runs (H200)."""
-  lrs, mom = zo.group_lrs(model, method, "sgd", None, pop)
-  opt, step = zo.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
+  lrs, mom = optim.group_lrs(model, method, "sgd", None, pop, "1M")
+  opt, step = optim.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
   def run():
     step[0] += 1
-    g, loss = zo.run_estimator(model, x, y, method, pop, step[0], **opts)
+    g, loss = estimators.run(model, x, y, method, pop, step[0], **opts)
     opt.step(g)
     zo.checked(model, loss, g, step[0], "")
   PEAK[0] = GlobalCounters.mem_used

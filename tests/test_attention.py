@@ -79,7 +79,7 @@ def half_sdpa(q:Tensor, k:Tensor, v:Tensor, window:int) -> Tensor:
   return ((lag >= 0) & (lag <= window)).where(scores, -math.inf).softmax(-1) @ v
 
 def test_half_scores_float32():
-  # in half, the scores that exp reads are accumulated and kept in float32 (DUST.md §1.4: as flash attention does); tinygrad's sdpa
+  # in half, the scores that exp reads are accumulated and kept in float32 (docs/dust.md §1.4: as flash attention does); tinygrad's sdpa
   # rounds them to half first, which the check must catch
   rng = np.random.default_rng(0)
   q, k, v = [Tensor(tok(unit_rms(rng, 1, 2, T, 8)).astype(np.float16)) for _ in range(3)]

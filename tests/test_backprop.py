@@ -4,7 +4,7 @@ by at most u relative. tests/test_cuda.py checks on the CPU that the backward gr
 import numpy as np
 import pytest
 from tinygrad import Context, Device, Tensor, dtypes
-from kernels.cuda import available
+from kernels import cuda_kernels
 from kernels.embed import embedding
 from kernels.flash import flash
 from kernels.loss import softcapped_loss
@@ -12,9 +12,9 @@ from kernels.matmul import linear
 from kernels.mix import scale
 from kernels.norm import norm, qk_norm
 from model import GPT, GPTConfig
-import zo
+import estimators, optim
 
-GPU = pytest.mark.skipif(not available(Device.DEFAULT), reason=f"{Device.DEFAULT} runs no kernels/cuda.py kernels")
+GPU = pytest.mark.skipif(not cuda_kernels(Device.DEFAULT), reason=f"{Device.DEFAULT} runs no kernels/cuda.py kernels")
 U = 2.0 ** -11
 
 def rel(a:np.ndarray, ref:np.ndarray) -> float: return float(np.linalg.norm(a.astype(np.float64) - ref) / np.linalg.norm(ref))
@@ -134,7 +134,7 @@ def test_scale():
   assert rel(dw.numpy(), ref) < 1e-5 and rel(dx.numpy(), w[2] * g) < 1e-6
 
 def model_grads(model:GPT, x:Tensor, y:Tensor) -> dict[str, np.ndarray]:
-  return {n: t.numpy().astype(np.float64) for n, t in zo.estimate(model, x, y, "backprop", 1, 0).items()}
+  return {n: t.numpy().astype(np.float64) for n, t in estimators.estimate(model, x, y, "backprop", 1, 0).items()}
 
 @GPU
 def test_model_gradient():
@@ -163,8 +163,8 @@ def test_sgd_update():
   gs = [rng.normal(size=sum(int(np.prod(s)) for s in shapes.values())).astype(np.float32) for _ in range(3)]
   def run() -> dict[str, np.ndarray]:
     params = {n: Tensor(v).realize() for n, v in init.items()}
-    opt = zo.Optimizer(params, {"a": 0.1, "b": 0.1, "c": 0.02, "d": 0.1}, "sgd", 0.9, 0)
-    for g in gs: opt.step(zo.Flat(Tensor(g).realize()))
+    opt = optim.Optimizer(params, {"a": 0.1, "b": 0.1, "c": 0.02, "d": 0.1}, "sgd", 0.9, 0)
+    for g in gs: opt.step(estimators.Flat(Tensor(g).realize()))
     return {n: p.numpy() for n, p in params.items()}
   fast = run()
   with Context(CUDA_KERNELS=0): ref = run()

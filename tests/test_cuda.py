@@ -71,10 +71,10 @@ from tinygrad import Tensor, dtypes
 from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.uop.ops import Ops
 from model import GPT, GPTConfig
-import zo
+import estimators
 model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)  # windows 128 and 256, value embeddings on block 1
 x = Tensor(np.zeros((8, 256), np.int32)).realize()
-loss, g = zo.gradient(model, x, x)
+loss, g = estimators.gradient(model, x, x)
 programs = [c.src[0] for c in loss.schedule_linear(*g).src if c.src[0].op is Ops.PROGRAM]
 for p in programs: NVRTCCompiler(TARGET).compile(p.src[2].arg)  # every kernel's CUDA source (the NULL device compiles none)
 print(sorted(Counter("_".join(w for w in p.arg.name.split("_") if not w.isdigit()) for p in programs).items()))
@@ -105,12 +105,12 @@ from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from kernels.cuda import PRELUDE
 from kernels.sgd import source
 from model import GPT, GPTConfig
-import zo
+import optim
 model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)
-lrs, mu = zo.group_lrs(model, "backprop", "sgd", None, 1)
-opt = zo.Optimizer(model.params, lrs, "sgd", mu, 0)
+lrs, mu = optim.group_lrs(model, "backprop", "sgd", None, 1, "1M")
+opt = optim.Optimizer(model.params, lrs, "sgd", mu, 0)
 buf, scale, out = Tensor.zeros(model.num_params()).contiguous().realize(), Tensor([1.0]).realize(), io.StringIO()
-with contextlib.redirect_stdout(out), Context(DEBUG=2): zo.flat_update(opt, buf, scale)
+with contextlib.redirect_stdout(out), Context(DEBUG=2): optim.flat_update(opt, buf, scale)
 NVRTCCompiler("sm_90").compile(PRELUDE + source("sgd", [3000, 5], [3, 3003], [1, 0], 0.98))  # the NULL device compiles none
 names = [re.sub(r"\\x1b\\[[0-9;]*m", "", line).split()[3] for line in out.getvalue().splitlines() if "***" in line]
 print(len(opt.opts), sorted(Counter("sgd" if n.startswith("sgd_") else "other" for n in names).items()))

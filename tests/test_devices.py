@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from tinygrad import Context, Tensor
 from tinygrad.nn.state import safe_load
-from model import GPT, GPTConfig, jitted
+from model import GPT, GPTConfig
 import devices
-import dust
-import zo
+import engine, estimators, zo
 
 CFG = GPTConfig(vocab=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
 B, T = 2, 16
@@ -42,18 +41,21 @@ def test_same_key_same_estimate(batch, monkeypatch, method:str, pop:int, opts:di
   def refuse(*a, **k): raise AssertionError("autograd in a ZO path")
   for f in ("backward", "gradient"): monkeypatch.setattr(Tensor, f, refuse)
   model, (x, y) = GPT(CFG, seed=0), batch
-  (g1, l1), (g2, l2) = (zo.run_estimator(model, x, y, method, pop, 3, devices=n, **opts) for n in (1, 2))
-  np.testing.assert_array_equal(g2.keys.numpy(), g1.keys.numpy())
-  np.testing.assert_allclose(g2.coef.numpy(), g1.coef.numpy(), rtol=0, atol=1.5e-6 / scale)
-  assert np.abs(g1.coef.numpy()).min() > 100 * 1.5e-6 / scale, g1.coef.numpy()  # the draws move the loss well above that
-  assert abs(l2.item() - l1.item()) < 1.5e-6 and g2.coef.device == g1.coef.device == "CPU"
+  def run(n:int) -> tuple[np.ndarray, np.ndarray, float, str]:  # read at once: the next call's JIT writes its outputs again
+    g, loss = estimators.run(model, x, y, method, pop, 3, devices=n, **opts)
+    return g.key.numpy(), g.coef.numpy(), loss.item(), g.coef.device
+  (k1, c1, l1, d1), (k2, c2, l2, d2) = run(1), run(2)
+  np.testing.assert_array_equal(k2, k1)
+  np.testing.assert_allclose(c2, c1, rtol=0, atol=1.5e-6 / scale)
+  assert np.abs(c1).min() > 100 * 1.5e-6 / scale, c1  # the draws move the loss well above that
+  assert abs(l2 - l1) < 1.5e-6 and d1 == d2 == "CPU"
 
 def test_dust_same_key_same_estimate(batch):
   # Dust splits every group's chunks over the devices, each device capturing the clean pass itself, and takes the share-weighted
   # mean on the first device: a device that drew another share's keys, normalized by the wrong count, or read a stale capture
   # moves the estimate by far more than float rounding (a few ulps of the per-share means, 1e-5 of the largest entry)
   model, (x, y) = GPT(CFG, seed=0), batch
-  g1, g2 = (dust.estimate(model, x, y, 64, 5, devices=n) for n in (1, 2))
+  g1, g2 = (estimators.estimate(model, x, y, "dust", 64, 5, devices=n) for n in (1, 2))
   for name, a in g1.items():
     a, b = a.numpy(), g2[name].numpy()
     assert np.abs(a).max() > 0 and np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), name
@@ -65,29 +67,26 @@ def test_each_device_draws_its_own_keys(batch, monkeypatch, method:str, pop:int)
   # disjoint and together all of them: a split that gives each device draws 0..n-1, or runs everything on CPU, fails here
   seen:dict[str, list[int]] = {}
   def spy(fn):
-    def wrapped(m, x, y, k, start, at, losses, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
-      assert devices.device(m) == x.device == k.device == losses.device and all(p.device == x.device for p in m.params.values())
-      return fn(m, x, y, k, start, at, losses, *a, **kw)
+    def wrapped(m, k, x, y, key, *a, **kw):  # runs when its JIT captures, once a device: the graph is built on that device's replica
+      assert devices.device(m) == x.device == key.device and all(p.device == x.device for p in m.params.values())
+      return fn(m, k, x, y, key, *a, **kw)
     return wrapped
-  def recorded(fn, m, *shape, **static):  # every call of the JIT, replays too: the pairs (start .. start + c - 1) each device gets
-    jit = jitted(fn, m, *shape, **static)
-    if "c" not in static: return jit  # the coefficients' JIT
-    def call(x, y, k, start, *rest):
-      seen.setdefault(x.device, []).extend(range(start.unbind()[1], start.unbind()[1] + static["c"]))
-      return jit(x, y, k, start, *rest)
-    return call
-  monkeypatch.setattr(zo, "pair_losses", spy(zo.pair_losses))
-  monkeypatch.setattr(zo, "jitted", recorded)
+  stack = engine.stack
+  def recorded(fn, m, *inputs, items:range, **kw):  # every call: the directions each device gets
+    seen.setdefault(inputs[0].device, []).extend(items)
+    return stack(fn, m, *inputs, items=items, **kw)
+  monkeypatch.setattr(estimators, "perturbed_losses", spy(estimators.perturbed_losses))
+  monkeypatch.setattr(engine, "stack", recorded)
   model, (x, y) = GPT(CFG, seed=1), batch  # a new model, so new JITs that call the spy
-  zo.run_estimator(model, x, y, method, pop, 4, devices=2)
+  estimators.run(model, x, y, method, pop, 4, devices=2)
   assert seen == {"CPU": [0], "CPU:1": [1, 2]}, seen
 
 def test_training_on_two_devices(tmp_path, monkeypatch):
   # a 3-step run on 2 devices: the replica on CPU:1 must see each update (its copy refreshed every step), so its train losses
   # and final weights follow the 1-device run to float tolerance; and --devices must reach the estimator
   monkeypatch.setattr(signal, "signal", lambda *a: None)  # zo.main's Ctrl-C handler would outlive the run in this process
-  spread, ns = zo.spread, []
-  monkeypatch.setattr(zo, "spread", lambda m, n, *a: (ns.append(n), spread(m, n, *a))[1])
+  spread, ns = estimators.spread, []
+  monkeypatch.setattr(estimators, "spread", lambda m, n, *a: (ns.append(n), spread(m, n, *a))[1])
   run = ["--method", "mezo", "--pop", "3", "--model", "tiny", "--vocab", "64", "--seq", str(T), "--batch", str(B), "--steps", "3",
          "--lr", "3e-3"]
   for n in (1, 2): zo.main(run + ["--devices", str(n), "--out", str(tmp_path / str(n))])

@@ -1,6 +1,6 @@
 """Lazy tensors that share a step's graph. tinygrad hash-conses UOps, so a user's lazy forward (or its autograd gradient) on the same
 batch and weights is made of the very UOps that a step's JITs realize, and realizing rewrites every live tensor that contains them
-to read the new buffers. Buffers that a JIT owns are written again by its next replay and freed by `model.release`, so a lazy tensor
+to read the new buffers. Buffers that a JIT owns are written again by its next replay and freed by `Function.release` (engine.py), so a lazy tensor
 built before a step and realized after it must not have been pointed at them: it must equal the same tensor realized before.
 
 Each case builds the loss and its gradient lazily twice (once before the first call, which captures the JITs, once between it and a
@@ -17,7 +17,7 @@ import pytest
 from tinygrad import Context, Tensor, dtypes
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import data
-import zo
+import estimators, zo
 
 B, T, V = 2, 16, 64
 POP = {"mezo": 2, "es": 4, "dust": 64, "backprop": 1}
@@ -46,7 +46,7 @@ def test_lazy_tensors_survive_a_step(method:str, net:str):
   x2, y2 = map(Tensor, src.batch("train", 1, B, T))
   def call(x:Tensor, y:Tensor):
     if method == "val_loss": zo.val_loss(model, src, args)
-    else: zo.estimate(model, x, y, method, POP[method], 7, **({"rank": 1} if method == "es" else {}))
+    else: estimators.estimate(model, x, y, method, POP[method], 7, **({"rank": 1} if method == "es" else {}))
   ref = [t.numpy() for t in lazy(model, x, y)]
   before = lazy(model, x, y)
   call(x, y)                    # captures every JIT of the step
@@ -67,5 +67,5 @@ def test_pending_assign_is_done_once(method:str):
   w.assign(w + 1)
   for _ in range(2):
     if method == "val_loss": zo.val_loss(model, src, args)
-    else: zo.estimate(model, x, y, method, POP[method], 7)
+    else: estimators.estimate(model, x, y, method, POP[method], 7)
   np.testing.assert_array_equal(w.numpy(), w0 + 1)

@@ -4,8 +4,7 @@ import math
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
-from tinygrad.engine.jit import JitError
-from tinygrad.uop.ops import Ops, UOp
+from tinygrad.uop.ops import Ops
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from kernels.noise import key, gaussian
 from kernels.norm import qk_norm, rms, rope
@@ -40,7 +39,7 @@ def tiny():
 # ***** the Dust preset: parameters, init, step-0 loss *****
 
 def test_dust_param_count(dust):
-  # a missing/extra tensor (VE on the wrong blocks, a tied head, a gain or bias) changes the count of DUST.md §1.3
+  # a missing/extra tensor (VE on the wrong blocks, a tied head, a gain or bias) changes the count of docs/dust.md §1.3
   assert dust.num_params() == 37_749_776 and len(dust.params) == 60
   names = set(dust.params)
   for n in ("transformer.wte.weight", "transformer.h.3.attn.c_q.weight", "value_embeds.1.weight", "transformer.h.1.attn.ve_gate.weight",
@@ -51,7 +50,7 @@ def test_dust_param_count(dust):
   assert dust.params["transformer.h.0.mlp.c_fc.weight"].shape == (2048, 512) and dust.params["transformer.h.0.mlp.c_proj.weight"].shape == (512, 2048)
 
 def test_dust_windows_and_ve():
-  # the SSSL pattern with the last block forced long, and VE on blocks with the parity of L-1 (DUST.md §1.1)
+  # the SSSL pattern with the last block forced long, and VE on blocks with the parity of L-1 (docs/dust.md §1.1)
   cfg = GPTConfig.preset("dust")
   assert [cfg.window(l) for l in range(8)] == [1024, 1024, 1024, 2048, 1024, 1024, 1024, 2048]
   assert [l for l in range(8) if cfg.has_ve(l)] == [1, 3, 5, 7]
@@ -67,7 +66,7 @@ def test_dust_uniform_init(dust, name, bound):
     assert w.std() == pytest.approx(bound / math.sqrt(3), rel=0.01) and abs(w.mean()) < 0.01 * bound
 
 def test_dust_other_init(dust):
-  # wte N(0,1), head N(0,0.001), VE uniform(±s), gates zero, resid 1, x0 0.1 (DUST.md §1.3)
+  # wte N(0,1), head N(0,0.001), VE uniform(±s), gates zero, resid 1, x0 0.1 (docs/dust.md §1.3)
   p = {k: v.numpy() for k, v in dust.params.items() if not k.startswith("transformer.h.") or "ve_gate" in k}
   assert p["transformer.wte.weight"].std() == pytest.approx(1.0, rel=0.01) and abs(p["transformer.wte.weight"].mean()) < 0.01
   assert p["lm_head.weight"].std() == pytest.approx(0.001, rel=0.01) and abs(p["lm_head.weight"].mean()) < 1e-5
@@ -79,7 +78,7 @@ def test_dust_other_init(dust):
   assert not np.array_equal(p["transformer.wte.weight"], p["lm_head.weight"] * 1000)  # untied, independent draws
 
 def test_dust_step0_loss(dust):
-  # the head std 0.001 gives near-uniform logits: the mean loss is ln 4096 (DUST.md §1.4); a wrong head/softcap/CE breaks it
+  # the head std 0.001 gives near-uniform logits: the mean loss is ln 4096 (docs/dust.md §1.4); a wrong head/softcap/CE breaks it
   x, y = batch(4096, 1, 64)  # windows don't matter for the initial loss, so one short row
   loss = dust.losses(x, y)
   assert loss.shape == (1, 64) and loss.dtype == dtypes.float32
@@ -112,7 +111,7 @@ def test_causal(tiny):
   assert (np.abs(l2[:, t:] - clean[:, t:]) > 1e-4).all()
 
 def test_rope_and_rms(tiny):
-  # RoPE with angle pos * 10000^(-2j/hd) on the halves [a cos + b sin, -a sin + b cos] (DUST.md §1.2), and a weightless RMSNorm
+  # RoPE with angle pos * 10000^(-2j/hd) on the halves [a cos + b sin, -a sin + b cos] (docs/dust.md §1.2), and a weightless RMSNorm
   m, hd = tiny[0], CFG.n_embd // CFG.n_head
   ang = np.arange(CFG.seq_len)[:, None] * 10000.0 ** (-2 * np.arange(hd // 2) / hd)[None, :]
   np.testing.assert_allclose(m.cos.numpy().reshape(CFG.seq_len, -1), np.cos(ang), atol=1e-6)
@@ -284,50 +283,3 @@ def test_looped_capture(looped):
   full = loss_np(m.losses(x, y, j))
   assert np.abs(full - loss_np(l)).max() > 1e-5
   np.testing.assert_allclose(loss_np(m.losses(x, y, j, cache=cache)), full, atol=1e-6)
-
-# ***** JITs sharing one arena (model.Scratch) *****
-
-def _doubled(owner, x:Tensor) -> Tensor: return ((x + 1).contiguous() * 2).contiguous().sum(1)
-def _mixed(owner, x:Tensor) -> Tensor: return ((x * 3).contiguous().exp().contiguous() + (x - 1).contiguous()).max(0)
-
-def test_jits_share_one_arena():
-  """Two JITs with intermediates of different sizes, called in turn on new inputs: each result stays right (an output or an input
-  in the shared arena would be overwritten by the other JIT's scratch), and their plans are views of one arena per device, as large
-  as the larger plan, not the sum."""
-  from model import SCRATCH, jitted
-  rng = np.random.default_rng(0)
-  f, g = jitted(_doubled, None, (64, 256)), jitted(_mixed, None, (128, 512))
-  for _ in range(4):
-    a, b = rng.standard_normal((64, 256)).astype(np.float32), rng.standard_normal((128, 512)).astype(np.float32)
-    fa = f(Tensor(a))
-    gb = g(Tensor(b)).numpy()  # g's scratch is written after f's output
-    np.testing.assert_allclose(fa.numpy(), ((a + 1) * 2).sum(1), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(gb, (np.exp(3 * b) + b - 1).max(0), rtol=1e-5)
-  mine = [offs for j in (f, g) for c, offs in SCRATCH.users if c is j.captured]
-  assert len(mine) == 2 and all(len(o) == 1 for o in mine)
-  (fu, _), (gu, _) = mine[0][0], mine[1][0]
-  base = SCRATCH.base[fu.device]
-  assert fu.buffer.base is base and gu.buffer.base is base
-  assert base.nbytes == max(off + u.nbytes() for _, offs in SCRATCH.users for u, off in offs if u.device == fu.device) < fu.nbytes() + gu.nbytes()
-
-def _shifted(owner, x:Tensor, y:Tensor, s:Tensor, at:UOp) -> Tensor: return ((x - y) * s + Tensor(at).float()).contiguous()
-
-def test_jit_replays_whole_inputs(monkeypatch):
-  """A replay whose inputs are whole buffers (realized, or arrays not yet copied in) skips tinygrad's preparation of them, and still
-  reads each input from its own buffer, with the bound variable's value; a view, a new shape or a repeated input goes through
-  tinygrad's, which refuses them."""
-  from tinygrad.engine import jit as tinyjit
-  from model import jitted
-  prepared, prepare = [], tinyjit._prepare_jit_inputs
-  monkeypatch.setattr(tinyjit, "_prepare_jit_inputs", lambda *a: prepared.append(1) or prepare(*a))
-  AT, rng = UOp.variable("at", 0, 9), np.random.default_rng(0)
-  f = jitted(_shifted, None, (4, 8))
-  for i in range(4):
-    a, b, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 8), (4, 8), (8,)))
-    xs = (Tensor(a), Tensor(b), Tensor(s)) if i % 2 else (Tensor(a).realize(), Tensor(b).realize(), Tensor(s).realize())
-    np.testing.assert_allclose(f(*xs, AT.bind(i)).numpy(), (a - b) * s + i, rtol=1e-6)
-  assert len(prepared) == 1  # the capture's
-  x, big = Tensor(a).realize(), Tensor(np.concatenate([b, b])).realize()
-  for bad in ((x, big[4:]), (x, Tensor(np.zeros((8, 4), np.float32))), (x, x)):  # a view of a buffer, another shape, one input twice
-    with pytest.raises(JitError): f(*bad, Tensor(s), AT.bind(1))
-  assert len(prepared) == 4

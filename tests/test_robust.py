@@ -5,13 +5,14 @@ reproduces the uninterrupted run exactly, and a run in --out is not overwritten 
 Cost: every run is a fresh process that compiles its kernels again (seconds each on a 2-core CPU), so all runs use the tiny preset at
 vocab 64, 2x16 tokens a step and mezo with 2 directions, and the long ones start in the background when the module starts (two at a
 time), while the quick bad-input tests run."""
-import contextlib, json, math, os, random, re, signal, subprocess, sys, time
+import contextlib, json, math, os, random, re, resource, signal, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
+import zo
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "DEV": "CPU", "PYTHONUNBUFFERED": "1"}  # NOOPT and PARALLEL from conftest.py
@@ -25,7 +26,7 @@ POISON = """
 import sys
 from tinygrad import Tensor
 import zo
-mode, at, run, calls = sys.argv[1], int(sys.argv[2]), zo.run_estimator, []
+mode, at, run, calls = sys.argv[1], int(sys.argv[2]), zo.run, []
 def poisoned(*args, **kwargs):
   g, loss = run(*args, **kwargs)
   calls.append(1)
@@ -33,7 +34,7 @@ def poisoned(*args, **kwargs):
     if mode == "loss": loss = (loss * float("nan")).realize()
     else: g.coef = g.coef * float("nan")
   return g, loss
-zo.run_estimator = poisoned
+zo.run = poisoned
 zo.main(sys.argv[3:])
 """
 STALL = """
@@ -47,6 +48,19 @@ def stalled(tensors, fn, *args, **kwargs):
     time.sleep(600)
 zo.save_file = stalled
 zo.main(sys.argv[2:])
+"""
+
+# the save of a signalled step waits 3 s after writing its temp file, while the test signals again (a marker file says when)
+SLOW_SAVE = """
+import os, sys, time
+import zo
+save = zo.save_file
+def slow(tensors, fn, *args, **kwargs):
+  save(tensors, fn, *args, **kwargs)
+  open(os.path.join(os.path.dirname(fn), "saving"), "w").close()
+  time.sleep(3)
+zo.save_file = slow
+zo.main(sys.argv[1:])
 """
 
 def argv(out:Path, *extra) -> list[str]: return [*RUN, "--out", str(out), *map(str, extra)]
@@ -100,7 +114,7 @@ def error_line(r:subprocess.CompletedProcess) -> str:
 def run_ref(tmp:Path) -> dict:
   r = cli(*argv(tmp / "ref", "--steps", STEPS, "--ckpt-every", 3))
   assert r.returncode == 0, r.stderr[-3000:]
-  return {"metrics": metrics(tmp / "ref")}
+  return {"out": tmp / "ref", "metrics": metrics(tmp / "ref")}
 
 def run_kill9(tmp:Path) -> dict:
   """kill -9 once metrics.jsonl has KILL_AT lines, then --resume to the end."""
@@ -147,11 +161,27 @@ def run_atomic(tmp:Path) -> dict:
   finally: stop(p)
   return {"out": out, "tmp_keys": tmp_keys}
 
-CHAINS = {"kill9": run_kill9, "sigint": run_sigint, "ref": run_ref, "nan_loss": lambda t: run_nan(t, "loss"),
+def run_sigterm(tmp:Path) -> dict:
+  """A long run, SIGTERM after 2 steps, a second SIGTERM while the checkpoint is being written, then --resume to STEPS."""
+  out, err = tmp / "sigterm", tmp / "sigterm.stderr"
+  p = start(err, *argv(out, "--steps", 1000, "--ckpt-every", 1000), code=SLOW_SAVE)
+  try:
+    wait_until(p, err, lambda: lines(out) >= 2)
+    os.killpg(p.pid, signal.SIGTERM)
+    wait_until(p, err, lambda: (out / "saving").exists())
+  finally: res = {"rc": stop(p, signal.SIGTERM)}
+  res |= {"stderr": err.read_text(), "lines": lines(out), "tmp_left": (out / "model.safetensors.tmp").exists()}
+  res["ckpt"] = checkpoint(out / "model.safetensors") if (out / "model.safetensors").exists() else None
+  res["resume"] = r = cli(*argv(out, "--steps", STEPS, "--ckpt-every", 1000, "--resume"))
+  res["metrics"] = metrics(out) if r.returncode == 0 else None
+  return res
+
+CHAINS = {"kill9": run_kill9, "sigint": run_sigint, "sigterm": run_sigterm, "ref": run_ref, "nan_loss": lambda t: run_nan(t, "loss"),
           "nan_estimate": lambda t: run_nan(t, "estimate"), "atomic": run_atomic}
 NEEDS = {"test_nonfinite_stops": ("nan_loss", "nan_estimate"), "test_atomic_checkpoint": ("atomic",), "test_resume_after_kill9": ("kill9", "ref"),
          "test_resume_refuses_other_flags": ("kill9",), "test_resume_drops_torn_line": ("kill9",), "test_force": ("sigint", "ref"),
-         "test_sigint": ("sigint", "ref")}
+         "test_sigint": ("sigint", "ref"), "test_sigterm": ("sigterm", "ref"), "test_unreadable_checkpoint": ("ref",),
+         "test_unwritable_checkpoint": ("ref",)}
 
 @pytest.fixture(scope="module", autouse=True)
 def runs(request, tmp_path_factory):
@@ -210,11 +240,11 @@ NO_CLANG = """
 import os, sys
 import numpy as np
 from tinygrad import dtypes
-import zo
+import optim, zo
 from model import Looped, LoopedConfig
 def make(seed):
   m = Looped(LoopedConfig.preset("tiny", vocab=4, n_embd=8, n_head=1, loops=1), seed, dtypes.float32)
-  return m, zo.Optimizer(m.params, {n: 0.1 for n in m.params}, "sgd", 0.9, 4)
+  return m, optim.Optimizer(m.params, {n: 0.1 for n in m.params}, "sgd", 0.9, 4)
 (a, opt_a), (b, opt_b) = make(0), make(1)
 zo.save(sys.argv[1], a, opt_a, 7)
 mask = os.umask(0)
@@ -307,6 +337,63 @@ def test_sigint(runs):
   assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
   assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
   assert losses(res["metrics"]) == losses(ref["metrics"])
+
+# protects: SIGTERM (a scheduler's time limit, docker stop, kill) is handled as Ctrl-C: the step finishes, a checkpoint is saved, exit
+# code 143 (128 + SIGTERM); a second SIGTERM during the save waits for it, so the checkpoint is whole; --resume continues exactly
+def test_sigterm(runs):
+  res, ref = runs["sigterm"].result(), runs["ref"].result()
+  assert res["rc"] == 143 and "Traceback" not in res["stderr"], f"exit code {res['rc']}:\n{res['stderr'][-3000:]}"
+  assert res["ckpt"] is not None and res["ckpt"][0] == res["lines"] >= 2 and not res["tmp_left"], (res["ckpt"] and res["ckpt"][0], res["lines"])
+  assert f"SIGTERM: interrupted after {res['lines']} steps" in res["stderr"], res["stderr"][-500:]
+  assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
+  assert losses(res["metrics"]) == losses(ref["metrics"])
+
+def broken(src:Path, dst:Path, case:str) -> Path:
+  """A copy of a finished run whose checkpoint is broken: truncated, not safetensors, a tensor missing, a tensor of another shape."""
+  dst.mkdir()
+  for f in ("config.json", "metrics.jsonl"): (dst / f).write_bytes((src / f).read_bytes())
+  ckpt, good = dst / "model.safetensors", (src / "model.safetensors").read_bytes()
+  if case == "truncated": ckpt.write_bytes(good[:1000])
+  elif case == "not safetensors": ckpt.write_text("step 3\n")
+  else:
+    with safe_open(str(src / "model.safetensors"), "np") as f: st, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    name = next(k for k in st if k.startswith("param."))
+    if case == "tensor missing": del st[name]
+    else: st[name] = np.zeros(st[name].shape[:-1] + (st[name].shape[-1] + 1,), st[name].dtype)
+    save_file(st, str(ckpt), metadata=meta)
+  return ckpt
+
+# protects: a checkpoint that can't be read stops --resume with exit 2 and one line naming the file, the problem and --force
+@pytest.mark.parametrize("case, problem", [("truncated", "cannot read"), ("not safetensors", "cannot read"),
+                                           ("tensor missing", "no tensor param."), ("other shape", "the model's is")])
+def test_unreadable_checkpoint(case:str, problem:str, runs, tmp_path:Path):
+  ckpt = broken(runs["ref"].result()["out"], tmp_path / "run", case)
+  r = cli(*argv(tmp_path / "run", "--steps", STEPS, "--resume"))
+  msg = error_line(r)
+  assert str(ckpt) in msg and problem in msg and "--force" in msg, msg
+
+# protects: a checkpoint that can't be written (here a 64 KiB file size limit, as a full disk) stops the run, non-zero, with one line
+# naming the path and the OS's error; the previous checkpoint stays whole and readable, and no temp file is left
+def test_unwritable_checkpoint(runs, tmp_path:Path):
+  ref, out = runs["ref"].result()["out"], tmp_path / "run"
+  out.mkdir()
+  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (out / f).write_bytes((ref / f).read_bytes())
+  before = (out / "model.safetensors").read_bytes()
+  limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))  # noqa: E731
+  r = subprocess.run(command(argv(out, "--steps", STEPS + 2, "--ckpt-every", 1, "--resume"), None), cwd=ROOT, env=ENV | {"CACHELEVEL": "0"},
+                     capture_output=True, text=True, timeout=600, preexec_fn=limit)
+  msg = error_line(r)
+  assert str(out / "model.safetensors.tmp") in msg and "File too large" in msg and "intact" in msg, msg
+  assert (out / "model.safetensors").read_bytes() == before and not (out / "model.safetensors.tmp").exists()
+
+# protects: every numeric flag is checked before anything runs: exit 2, one line naming the flag (argparse reads "nan" and "inf")
+@pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--lr", "0"), ("--lr", "-1"), ("--sigma", "inf"), ("--eps", "0"), ("--warmdown", "1.5"),
+                                         ("--warmdown", "-0.1"), ("--momentum", "1"), ("--top-k", "0"), ("--temperature", "0"), ("--tokens", "0"),
+                                         ("--steps", "0"), ("--vocab", "1"), ("--seq", "-5"), ("--rank", "-1"), ("--loops", "0")])
+def test_bad_number(flag:str, value:str, capsys):
+  with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", flag, value])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
 # protects: --noise is Dust's: another method refuses it up front (exit 2, naming the flag) instead of ignoring it
 def test_noise_is_dusts(tmp_path:Path):

@@ -142,7 +142,7 @@ def test_train_keeps_the_tokenizer(tmp_path:pathlib.Path, bpe:data.BPE, monkeypa
   out = tmp_path / "run"
   class Started(Exception): pass
   def started(*a, **k): raise Started  # the first step: everything before it is set up, and no kernel has been compiled
-  monkeypatch.setattr(zo, "run_estimator", started)
+  monkeypatch.setattr(zo, "run", started)
   monkeypatch.setattr(zo.signal, "signal", lambda *a: None)  # train's Ctrl-C handler would outlive it in this process
   flags = ["--model", "tiny", "--data", str(p), "--tokenizer", f"bpe:{N}", "--steps", "1", "--out", str(out)]
   with pytest.raises(Started): zo.train(zo.parse(flags))

@@ -1,0 +1,130 @@
+"""Tests of engine.py, the one module that uses tinygrad's internals: that no other file does, and that its workarounds hold. JITs
+share one arena, replays take whole buffers, `jit` takes containers and repeated inputs, and `stack` and `mean` give what one call
+would, whatever the chunks a call."""
+import ast, pathlib
+import numpy as np
+import pytest
+from tinygrad import Tensor, Variable
+from tinygrad.engine.jit import JitError
+import engine
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# ***** the layers *****
+
+# the algorithm layer: tinygrad's public API only (its top-level names and tinygrad.nn)
+ALGORITHM = ("model.py", "estimators.py", "dust.py", "optim.py", "zo.py", "devices.py", "data.py", "plot.py")
+PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "Variable", "GlobalCounters"}
+# tinygrad's internals that engine.py works around: no file but engine.py may name them
+INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
+             "ensure_allocated", "schedule_linear"}
+
+def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
+  """Each use of a private tinygrad name in a file: an import of a name that starts with _ or is an internal, an attribute that starts
+  with _ (outside its own class's self) or is an internal; in the algorithm layer also any import but the public names, and .uop."""
+  bad = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tinygrad"):
+      for a in node.names:
+        if a.name.startswith("_") or a.name in INTERNALS: bad.append(f"imports {a.name}")
+        elif algorithm and not (node.module == "tinygrad" and a.name in PUBLIC or node.module.startswith("tinygrad.nn")):
+          bad.append(f"imports {node.module}.{a.name}")
+    if isinstance(node, ast.Import) and algorithm:
+      bad += [f"imports {a.name}" for a in node.names if a.name.startswith("tinygrad") and not a.name.startswith("tinygrad.nn")]
+    if isinstance(node, ast.Attribute):
+      own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+      if (node.attr.startswith("_") and not node.attr.startswith("__") and not own) or node.attr in INTERNALS or \
+         (algorithm and node.attr == "uop"):
+        bad.append(f"line {node.lineno}: .{node.attr}")
+  return bad
+
+def test_only_engine_touches_tinygrad_internals():
+  # a private tinygrad name anywhere but engine.py, or a non-public one in the algorithm layer, is listed here (tests may use them)
+  files = [p for p in ROOT.glob("*.py") if p.name != "engine.py"] + sorted(ROOT.glob("kernels/*.py"))
+  assert {p.name for p in files} >= set(ALGORITHM)
+  found = {str(p.relative_to(ROOT)): bad for p in files if (bad := private_uses(p, p.name in ALGORITHM))}
+  assert not found, found
+
+def test_the_check_sees_private_names(tmp_path):
+  # the check itself must flag what it is for: a copy of model.py with one private name added
+  src = (ROOT / "model.py").read_text()
+  for added in ("from tinygrad.tensor import all_tensors\n", "from tinygrad.uop.ops import UOp\n", "x = Tensor.empty(1).uop\n",
+                "y = Tensor.empty(1)._buf\n"):
+    (p := tmp_path / "model.py").write_text(added + src)
+    assert private_uses(p, True), added
+  assert private_uses(ROOT / "engine.py", False)  # engine.py does use them
+
+# ***** JITs sharing one arena (engine.Scratch) *****
+
+def _doubled(x:Tensor) -> Tensor: return ((x + 1).contiguous() * 2).contiguous().sum(1)
+def _mixed(x:Tensor) -> Tensor: return ((x * 3).contiguous().exp().contiguous() + (x - 1).contiguous()).max(0)
+
+def test_jits_share_one_arena():
+  """Two JITs with intermediates of different sizes, called in turn on new inputs: each result stays right (an output or an input
+  in the shared arena would be overwritten by the other JIT's scratch), and their plans are views of one arena per device, as large
+  as the larger plan, not the sum."""
+  rng = np.random.default_rng(0)
+  f, g = engine.jit(_doubled), engine.jit(_mixed)
+  for _ in range(4):
+    a, b = rng.standard_normal((64, 256)).astype(np.float32), rng.standard_normal((128, 512)).astype(np.float32)
+    fa = f(Tensor(a))
+    gb = g(Tensor(b)).numpy()  # g's scratch is written after f's output
+    np.testing.assert_allclose(fa.numpy(), ((a + 1) * 2).sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(gb, (np.exp(3 * b) + b - 1).max(0), rtol=1e-5)
+  mine = [offs for j in (f, g) for c, offs in engine.SCRATCH.users if c is j.last.captured]
+  assert len(mine) == 2 and all(len(o) == 1 for o in mine)
+  (fu, _), (gu, _) = mine[0][0], mine[1][0]
+  base = engine.SCRATCH.base[fu.device]
+  assert fu.buffer.base is base and gu.buffer.base is base
+  assert mine[0][0][1] == mine[1][0][1] == 0 and base.nbytes >= max(fu.nbytes(), gu.nbytes())  # one memory, not one after the other
+
+def _shifted(x:Tensor, y:Tensor, s:Tensor, at) -> Tensor: return ((x - y) * s + Tensor(at).float()).contiguous()
+
+def test_jit_replays_whole_inputs(monkeypatch):
+  """A replay whose inputs are whole buffers (realized, or arrays not yet copied in) skips tinygrad's preparation of them, and still
+  reads each input from its own buffer, with the bound variable's value; a view, a new shape or a repeated input goes through
+  tinygrad's, which refuses them."""
+  from tinygrad.engine import jit as tinyjit
+  prepared, prepare = [], tinyjit._prepare_jit_inputs
+  monkeypatch.setattr(tinyjit, "_prepare_jit_inputs", lambda *a: prepared.append(1) or prepare(*a))
+  AT, rng = Variable("at", 0, 9), np.random.default_rng(0)
+  f = engine.Jit(_shifted)
+  for i in range(4):
+    a, b, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 8), (4, 8), (8,)))
+    xs = (Tensor(a), Tensor(b), Tensor(s)) if i % 2 else (Tensor(a).realize(), Tensor(b).realize(), Tensor(s).realize())
+    np.testing.assert_allclose(f(*xs, AT.bind(i)).numpy(), (a - b) * s + i, rtol=1e-6)
+  assert len(prepared) == 1  # the capture's
+  x, big = Tensor(a).realize(), Tensor(np.concatenate([b, b])).realize()
+  for bad in ((x, big[4:]), (x, Tensor(np.zeros((8, 4), np.float32))), (x, x)):  # a view of a buffer, another shape, one input twice
+    with pytest.raises(JitError): f(*bad, Tensor(s), AT.bind(1))
+  assert len(prepared) == 4
+
+def _combined(xs:dict[str, Tensor], ys:list[Tensor], w:float) -> Tensor: return (xs["a"] * w + xs["b"] - ys[0] * ys[1]).contiguous()
+
+def test_jit_takes_containers_repeats_and_views():
+  """engine.jit flattens dicts and lists into the JIT's inputs, takes a tensor given twice and two views of one buffer (tinygrad's JIT
+  refuses both), and captures again for a new shape or static value; every call reads the inputs it is given."""
+  rng = np.random.default_rng(1)
+  for n in (4, 4, 6, 6):
+    for w in (1.0, 2.0):
+      a, b = rng.standard_normal((2, n)).astype(np.float32)
+      ta, both = Tensor(a).realize(), Tensor(np.stack([a, b])).realize()
+      out = engine.jit(_combined, w=w)({"a": ta, "b": both[1]}, [ta, both[0]]).numpy()  # a twice; b and a as views of one buffer
+      np.testing.assert_allclose(out, a * w + b - a * a, rtol=1e-6)
+
+# ***** stack and mean: one JIT over chunks *****
+
+def _rows(owner, k:Tensor, x:Tensor) -> Tensor: return Tensor.stack(x.sum() * k.float(), k.float() ** 2, dim=1)
+def _sums(owner, c:Tensor, x:Tensor, scale:float) -> list[Tensor]:
+  return [(x.unsqueeze(0) * c.float().unsqueeze(1)).sum(0) * scale, (c.float() ** 2).sum().reshape(1)]
+
+@pytest.mark.parametrize("per_call", [1, 2, 6])
+def test_stack_and_mean_whatever_the_chunks(per_call:int):
+  # a chunk's rows written in another chunk's place, a chunk lost or counted twice, or a mean not reset by the first call changes these
+  x = Tensor(np.arange(3, dtype=np.float32)).realize()
+  rows = engine.stack(_rows, None, x, items=range(2, 8), per_call=per_call, shape=(2,)).numpy()
+  np.testing.assert_array_equal(rows, np.stack([3.0 * np.arange(2, 8), np.arange(2, 8) ** 2], axis=1))
+  for _ in range(2):  # the second call's sums start from zero again
+    m, sq = engine.mean(_sums, None, x, chunks=range(1, 7), per_call=per_call, count=6, shapes=[(3,), (1,)], scale=2.0)
+    np.testing.assert_allclose(m.numpy(), 2.0 * np.arange(3) * np.arange(1, 7).sum() / 6, rtol=1e-6)
+    np.testing.assert_allclose(sq.numpy(), [(np.arange(1, 7) ** 2).sum() / 6], rtol=1e-6)
