@@ -176,8 +176,9 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
            rerun:str="block", depths:tuple[int|None, ...]=(None,), gamma:float=0.0) -> dict[str, Tensor]:
   """Jitter all sites of a group at once, each with its own noise, and reward every token with its own loss drop, centred across
   the chunk's draws (with `gamma` > 0, its reward-to-go: the drops of the later tokens too, discounted). Returns the per-token
-  estimate ĝ_t = −1/(σK) Σ_i r̃_t^(i) a_t^(i) of +dloss_t/dy_t per site (K draws a_t^(i), §3.1), [B, T, width]: mean_of divides by K. `rerun="block"` starts each perturbed pass at the jittered block from the
-  captured activations (§3.10), "full" reruns the whole model.
+  estimate ĝ_t = −1/(σK) Σ_i r̃_t^(i) a_t^(i) of +dloss_t/dy_t per site (K draws a_t^(i), §3.1), [B, T, width]: mean_of divides by
+  K. `rerun="block"` starts each perturbed pass at the jittered block from the captured activations (§3.10), "full" reruns the
+  whole model.
   `depths`: where the sites' block is applied, several in the looped model. Its sites are jittered at all of them in the same
   pass, with the noise model.site_key(key, depth), and the result has one estimate per depth, keyed by `recorded` names."""
   B, T = y.shape[:2]

@@ -161,11 +161,12 @@ def train(args):
   for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, lambda signum, _: stop.append(signum))
   val, t0 = None, time.perf_counter()
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
+  opts = options(args, tokens)
   with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
-      g, loss = run(model, x, y, args.method, args.pop, step_key(args.seed, step), **options(args, tokens))
+      g, loss = run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
       opt.scale = min(1.0, (steps - step) / (warmdown * steps)) if warmdown else 1.0
       opt.step(g)  # queued before the check's read, which waits for it: a bad step stops the run before anything saves its weights
       loss = checked(model, loss, g, step, args.out)
@@ -181,8 +182,8 @@ def train(args):
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
       if stop:
-        print(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with --resume",
-              file=sys.stderr)
+        bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with "
+                  "--resume", file=sys.stderr)  # a line of its own, not one the bar redraws over
         sys.exit(128 + stop[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
 
 def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged
