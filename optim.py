@@ -64,7 +64,11 @@ class Optimizer:
     for j, (o, _) in enumerate(self.opts):
       for k, t in nn.state.get_state_dict(o).items():
         if f"optim.{j}.{k}" in st: t.assign(st[f"optim.{j}.{k}"].to(t.device)).realize()
-    if "replay.keys" in st: self.keys, self.coef = (st[f"replay.{k}"].to(None).contiguous().realize() for k in ("keys", "coef"))
+    if "replay.keys" in st:
+      if st["replay.keys"].shape != (self.W, 2):  # a checkpoint from before the history kept root keys held a key per direction
+        raise ValueError(f"the checkpoint's replay history has keys of shape {st['replay.keys'].shape}, not ({self.W}, 2): it was written "
+                         "by an older zo, which kept a key per direction; resume it with that zo, or start over with --force")
+      self.keys, self.coef = (st[f"replay.{k}"].to(None).contiguous().realize() for k in ("keys", "coef"))
 
 def update(opt:Optimizer, grads:dict[str, Tensor], scale:Tensor):
   """One step of the optimizers on these gradients, each optimizer's lr times the schedule's scale."""

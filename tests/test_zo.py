@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
 import pytest
-from tinygrad import Context, Tensor
+from tinygrad import Context, Tensor, dtypes
 from tinygrad.nn.state import safe_load
 from kernels.noise import fold, gaussian, key as root_key
 from kernels.perturb import Population, combine
@@ -296,6 +296,16 @@ def test_replayed_momentum_equals_buffer():
   # sqrt(sum_{a=5..19} mu^2a / sum_{a<20} mu^2a) = 0.57 ~ mu^5; the cross terms of 80 directions in 1544 dims move it by a few %
   tail = math.sqrt(sum(mu ** (2 * a) for a in range(5, steps)) / sum(mu ** (2 * a) for a in range(steps)))
   assert abs(gap(short, ref, steps - 1) / tail - 1) < 0.2, (gap(short, ref, steps - 1), tail)
+
+def test_old_replay_history_refused():
+  # the history now keeps a root key per step; a checkpoint that kept a key per direction ([W, N, 2]) must stop with one clear error,
+  # not load and fail later inside the update's JIT
+  ps = {"w": Tensor.zeros(4, 3).contiguous().realize()}
+  opt = optim.Optimizer(ps, {"w": 1e-3}, "sgd", 0.9, 4)
+  with pytest.raises(ValueError, match=r"replay history has keys of shape \(4, 2, 2\).*--force"):
+    opt.load({"replay.keys": Tensor.zeros(4, 2, 2, dtype=dtypes.uint32), "replay.coef": Tensor.zeros(4, 2)})
+  opt.load({"replay.keys": Tensor.zeros(4, 2, dtype=dtypes.uint32), "replay.coef": Tensor.zeros(4, 2)})
+  assert opt.keys.shape == (4, 2) and opt.coef.shape == (4, 2)
 
 # ***** 6. training, against the same estimator with its sign flipped *****
 
