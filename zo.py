@@ -133,7 +133,7 @@ def train(args):
   warmdown = recipe_warmdown if args.warmdown is None else args.warmdown
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
-  start = 0
+  start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
@@ -145,6 +145,7 @@ def train(args):
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
     with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
+    trained = json.loads(keep[-1])["seconds"] if keep else 0.0
   elif os.path.exists(log_path) and not args.force:
     raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
   os.makedirs(args.out, exist_ok=True)
@@ -159,7 +160,7 @@ def train(args):
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second signal waits for the save
   for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, lambda signum, _: stop.append(signum))
-  val, t0 = None, time.perf_counter()
+  val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
   opts = options(args, tokens)
   with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:

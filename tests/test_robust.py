@@ -295,6 +295,9 @@ def test_resume_after_kill9(runs):
   assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
   assert losses(res["metrics"]) == losses(ref["metrics"])
   assert checkpoint(res["out"] / "model.safetensors")[0] == STEPS
+  # the resumed part's seconds go on from the first part's: a run's training time is the sum of its parts
+  seconds = [r["seconds"] for r in res["metrics"]]
+  assert seconds == sorted(seconds) and seconds[res["ckpt"]] > seconds[res["ckpt"] - 1], seconds
 
 # protects: --resume with another --method or --vocab than the run in --out is refused (exit 2, naming the flag), touching nothing
 @pytest.mark.parametrize("flag,value", [("--method", "backprop"), ("--vocab", "32")])
