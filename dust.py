@@ -52,16 +52,14 @@ class Recipe:
   hidden:tuple[int, ...]             # per block
   hubs:tuple[int, ...]
   embedding:int
-  head:int
+  head:int                           # the head's slab draws (§3.6)
   local:dict[str, tuple[int, ...]]   # kind -> per block draws; gate and ve are 0 off the value-embedding blocks
   gamma:float                        # credit decay of k, v, gate, ve (§3.5)
   gamma0:float                       # credit decay of block 0's direct draws: 0 rewards each token's own loss only (§3.14)
   sigma:dict[str, float | tuple[float, ...]]  # per family; "hubs" per block
   scalar_draws:int
-  optimizer:str                      # "sgd" or "adam"
   lr:float                           # matrices and head
-  momentum:float                     # SGD momentum, or Adam's beta1
-  betas:tuple[float, float] | None
+  momentum:float                     # SGD momentum, or AdamW's beta1 (its beta2 is 0.95, optim.py)
   group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §3.14
   warmdown:float                     # the fraction of the steps at the end over which the lr falls linearly to zero
   noise:str = "gaussian"             # every draw's distribution (kernels/noise.py NOISES): "gaussian" (§3), or "rademacher", +-1
@@ -107,11 +105,12 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
              local={kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
                     for kind, c in base[4].items()},
              gamma=0.99 if base is SGD_16K_10M else 0.98, gamma0=0.3 if adam else 0.0,
-             sigma={"writers": 0.2 * sigma, "hidden": 0.2 * sigma, "embedding": 0.2 * sigma * sigma, "head": 0.05 * sigma,
+             # the record's embedding is 0.8: four times the release's, twice the paper's Adam recipe (§3.14)
+             sigma={"writers": 0.2 * sigma, "hidden": 0.2 * sigma, "embedding": 0.8 if adam else 0.2, "head": 0.05 * sigma,
                     "local": 0.05 * sigma, "scalars": 0.03 * sigma,
                     # the deeper half of the hubs moves the loss too little at 0.2
                     "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * sigma for l in range(n_layer))},
-             scalar_draws=8, optimizer="adam" if adam else "sgd", lr=lr, momentum=momentum, betas=(0.7, 0.95) if adam else None,
+             scalar_draws=8, lr=lr, momentum=momentum,
              group_lr={"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr} if adam else
                       {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
              warmdown=0.3 if adam else 0.0, noise=noise)
@@ -204,7 +203,7 @@ def direct_chunk(model, k:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], 
   return [-(reward.unsqueeze(-1) * drawn(j, d, w)).sum((0, 1)) / sigma for j, d, w in outs]  # −1/σ Σ_i r̃ a, of K's sum
 
 def reward_to_go(c:Tensor, gamma:float) -> Tensor:
-  """r_t = sum_{s>=t} gamma^(s-t) c_s along the last axis (tokens): block 0's jitter pays off mostly at later tokens (§3.14)."""
+  """r_t = sum_{s>=t} gamma^(s-t) c_s along the last axis (tokens): block 0's jitter pays off mostly at later tokens (§3.12)."""
   T = c.shape[-1]
   return c @ credit(T, T, gamma).T
 
@@ -243,6 +242,13 @@ def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float,
     if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
     return -(reward.unsqueeze(-1) * a).sum(0) / sigma
   return [Tensor.stack(*[slab(m).realize() for m in range(S)], dim=2)]  # a slab at a time: one slab's draws in memory
+
+def head_exact(model, z:Tensor, y:Tensor) -> Tensor:
+  """`head="exact"`: the head's per-token errors without draws. The head's output is the loss's own input, so its derivative needs
+  no backward pass: with c = cap tanh(z / cap), dloss_t/dz_t = (softmax(c_t) − onehot(y_t)) (1 − (c_t / cap)²), from the clean
+  forward's raw logits z alone. Not the release's, which estimates it from slabs (§3.6)."""
+  c = softcap(z.float(), model.cfg.softcap)
+  return (c.softmax(-1) - (y.unsqueeze(-1) == Tensor.arange(z.shape[-1])).float()) * (1 - (c / model.cfg.softcap).square())
 
 # ***** attention internals: local errors against the hub targets (§3.5) *****
 
@@ -428,8 +434,9 @@ def attention_draws(u:Update) -> dict[tuple[str, int|None], Tensor]:
     for w in u.work: w.attn.jit.release()
   return err
 
-def head_draws(u:Update) -> Tensor:
-  """§3.6: the head's per-token errors, from slabs of the cached logits."""
+def head_draws(u:Update, head:str) -> Tensor:
+  """§3.6: the head's per-token errors, from slabs of the cached logits; or exact (`head_exact`), with no draws."""
+  if head == "exact": return engine.jit(head_exact, u.model)(u.work[0].rec["lm_head"], u.work[0].y)
   return across(u.work, u.draws("head", 0, u.rc.head), lambda w, d: head_error(w.model, w.rec, w.y, u.rc.sigma["head"], d, u.rc.nrep),
                 unit=slabs(u.model))
 
@@ -459,16 +466,17 @@ def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, T
     grads[n] = grads[n] + g if n in grads else g
   Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
 
-def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian",
+def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian", head:str="slabs",
          rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the recipe for this population,
   budget, optimizer and noise (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the captured
-  activations (§3.10), "full" reruns the whole model. devices: split every group's chunks over this many devices. Draws are
-  allocated per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth,
-  so a looped model gets them at every loop. Memory: the capture of every depth's activations."""
+  activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from draws (§3.6), "exact"
+  computes them (`head_exact`). devices: split every group's chunks over this many devices. Draws are allocated per parameter
+  block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth, so a looped model gets
+  them at every loop. Memory: the capture of every depth's activations."""
   rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise)
   u = Update(model, x, y, key, rc, rerun, devices)  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)
-  err["lm_head", None] = head_draws(u)
+  err["lm_head", None] = head_draws(u, head)
   return reassemble(u, err, scalar_draws(u))

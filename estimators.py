@@ -71,10 +71,10 @@ def population_losses(model, x:Tensor, y:Tensor, key:Tensor, n:int, scale:float,
                       devices:int=1) -> Tensor:
   """[n, len(signs)]: the mean loss L(θ + s·scale·E_k) for directions k = 0..n−1 (E_k from fold(key, k)) and each sign s. Direction k
   depends on k alone, so the losses are the same however the directions are split into forwards and over devices."""
-  def run(m, ks:range, x:Tensor, y:Tensor, key:Tensor) -> Tensor:  # directions ks on one device, as many a forward as fit TOKENS
+  def on_device(m, ks:range, x:Tensor, y:Tensor, key:Tensor) -> Tensor:  # directions ks on one device, as many a forward as fit TOKENS
     c = engine.per_call(len(ks), x.numel(), TOKENS)
     return engine.stack(perturbed_losses, m, x, y, key, items=ks, per_call=c, shape=(len(signs),), scale=scale, rank=rank, signs=signs)
-  return spread(model, devices, n, run, x, y, key)
+  return spread(model, devices, n, on_device, x, y, key)
 
 def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:float, rank:int, signs:tuple[int, ...]) -> Tensor:
   """[c, len(signs)] for the c directions k: their members on the batch axis, one forward per sign, each realized apart (so the
@@ -132,8 +132,9 @@ def gradient(model, x:Tensor, y:Tensor) -> tuple[Tensor, list[Tensor]]:
   return losses.mean(), [g / losses.numel() for g in losses.sum().gradient(*model.params.values())]
 
 def flat_squares(loss:Tensor, buf:Tensor) -> Tensor:
-  """The loss and the gradient's sum of squares. Summed as rows of 256 (zeros pad it to whole rows), then the rows: tinygrad splits a
-  sum by the small factors of its length, and 37,749,776 = 16 x a prime, so the plain sum ran in 16 threads (132 ms at the dust preset)."""
+  """The loss and the gradient's sum of squares. Summed as rows of 256, then the rows (zeros pad it to 256 whole rows, so that both
+  sums split evenly): tinygrad splits a sum by the small factors of its length, and 37,749,776 = 16 x 1249 x 1889, so the plain sum
+  ran in 16 threads (132 ms at the dust preset)."""
   rows = buf.pad((0, -buf.numel() % 65536)).reshape(-1, 256).square().sum(1)
   return Tensor.stack(loss.float().reshape(()), rows.contiguous().sum())
 

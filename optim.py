@@ -38,8 +38,8 @@ class Optimizer:
     self.coef:Tensor|None = None  # [W, K]
     self.scale = 1.0  # the lr schedule's factor
     self.uploaded:tuple[float, Tensor|None] = (math.nan, None)  # the last factor, on the device
-    def make(ps:list[Tensor], lr:float):
-      if kind == "sgd": return nn.optim.SGD(ps, lr=lr, momentum=momentum)
+    def make(ps:list[Tensor], lr:float):  # a replayed momentum is rebuilt from seeds: SGD keeps no buffer of its own then
+      if kind == "sgd": return nn.optim.SGD(ps, lr=lr, momentum=0.0 if replay else momentum)
       return nn.optim.AdamW(ps, lr=lr, b1=momentum, b2=0.95, eps=1e-8, weight_decay=0.0)
     self.opts = [(make([p for n, p in params.items() if lrs[n] == lr], lr), lr) for lr in sorted(set(lrs.values()))]
     Tensor.realize(*[t for o, _ in self.opts for t in nn.state.get_parameters(o)])  # the state the update's JIT assigns: real before it
@@ -48,6 +48,9 @@ class Optimizer:
     if self.uploaded[0] != self.scale:  # a tensor, not a Python float: a new lr is new data, not a new kernel; uploaded when it changes
       self.uploaded = (self.scale, Tensor([self.scale]).realize())
     scale = self.uploaded[1]
+    if self.W and self.kind == "sgd" and not isinstance(g, Compact):
+      raise ValueError(f"replayed momentum rebuilds the steps from their seeds, which a {type(g).__name__} estimate has not: use a "
+                       "momentum buffer (replay 0) with this method")
     if isinstance(g, Flat): return engine.jit(flat_update, self)(g.buf, scale)
     if not isinstance(g, Compact): return engine.jit(update, self)(g, scale)
     if not (self.W and self.kind == "sgd"): return engine.jit(compact_update, self, rank=g.rank)(g.key, g.coef, scale)

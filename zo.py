@@ -113,11 +113,11 @@ def takes(method:str) -> set[str]: return set(inspect.signature(ESTIMATORS[metho
 def options(args, tokens:int) -> dict:
   """The flags that the method's estimator takes, by the names of its parameters."""
   flags = {"eps": args.eps, "sigma": args.sigma, "shaping": args.shaping, "rank": args.rank, "devices": args.devices,
-           "optimizer": args.optim, "noise": args.noise, "budget": budget(tokens)}
+           "optimizer": args.optim, "noise": args.noise, "head": args.head, "budget": budget(tokens)}
   return {k: v for k, v in flags.items() if k in takes(args.method)}
 
-def run_config(path:str) -> dict:  # a run from before --tokenizer read bytes, and one from before --noise drew Gaussians
-  return {"tokenizer": "bytes", "noise": "gaussian"} | json.load(open(path))
+def run_config(path:str) -> dict:  # a run from before --tokenizer read bytes, before --noise drew Gaussians, before --head had slabs
+  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs"} | json.load(open(path))
 
 def train(args):
   from data import load
@@ -138,7 +138,7 @@ def train(args):
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
     old = run_config(cfg_path)
-    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise")
+    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head")
     diff = [k for k in kept if old.get(k) != config[k]]
     if diff:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
@@ -317,6 +317,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "(default: 0.3 for Dust under AdamW, the Noise record's schedule; else 0)")
   p.add_argument("--noise", default="gaussian", choices=tuple(NOISES), help="dust: the distribution of every draw "
                  "(Rademacher: +-1, the same mean and variance)")
+  p.add_argument("--head", default="slabs", choices=("slabs", "exact"), help="dust: the head's per-token errors estimated from draws on "
+                 "slabs of the logits (the release's), or exact: softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")

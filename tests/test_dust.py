@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, Context, GlobalCounters, dtypes
 from kernels import flash
+from kernels.loss import cross_entropy
 from kernels.noise import gaussian, key, runs
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import dust, estimators
@@ -55,7 +56,7 @@ def test_recipe_override_and_optimizers():
   assert (r.nrep, r.gamma, r.embedding, r.head, r.lr, r.momentum) == (16, 0.99, 640, 65536, 0.25, 0.95)
   assert dust.recipe(16384, "1M").gamma == 0.98
   r = dust.recipe(256)  # SGD groups (§4.1)
-  assert (r.lr, r.momentum, r.betas) == (0.25, 0.95, None)
+  assert (r.lr, r.momentum) == (0.25, 0.95)
   assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "x0_lambdas", "lm_head.weight")] == [1000, 0.3, 0.03, 0.25]
   assert (r.gamma0, r.warmdown) == (0.0, 0.0)
 
@@ -67,7 +68,7 @@ def test_noise_recipe():
   assert r.local == {"q": (8,) * 8, "v": (80,) * 8, "gate": (0, 24) * 4, "k": (48,) * 8, "ve": (0, 288) * 4}
   assert r.sigma == {"writers": 0.4, "hidden": 0.4, "embedding": 0.8, "head": 0.1, "local": 0.1, "scalars": 0.06,
                      "hubs": (0.4,) * 4 + (0.8,) * 4}
-  assert (r.gamma0, r.gamma, r.lr, r.betas, r.warmdown) == (0.3, 0.98, 0.0015, (0.7, 0.95), 0.3)
+  assert (r.gamma0, r.gamma, r.lr, r.momentum, r.warmdown) == (0.3, 0.98, 0.0015, 0.7, 0.3)
   assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "resid_lambdas", "lm_head.weight")] == \
     pytest.approx([0.45, 0.45, 0.045, 0.0015])
   r = dust.recipe(16384, "10M", "adamw")  # no tuned override under AdamW: neither its counts nor its credit decay 0.99
@@ -235,6 +236,19 @@ def test_head_slabs():
   for j in range(V // 256):
     assert cosine(est[..., 256 * j:256 * (j + 1)].ravel(), true[..., 256 * j:256 * (j + 1)].ravel()) > 0.6, f"slab {j}"
   assert 0.6 < (est * true).sum() / (true * true).sum() < 0.9
+
+# protects: head="exact" gives the head the autograd gradient of the mean loss, and changes no other parameter's estimate
+def test_head_exact(setup):
+  model, x, y, _ = setup
+  true = model.losses(x, y).mean().gradient(model.params["lm_head.weight"])[0].numpy()
+  slabs, exact = estimate(setup, 64, 1), estimate(setup, 64, 1, head="exact")
+  np.testing.assert_allclose(exact["lm_head.weight"], true, rtol=1e-3, atol=1e-4 * np.abs(true).max())
+  assert all(np.array_equal(exact[n], slabs[n]) for n in slabs if n != "lm_head.weight")
+  # at init the logits are too small for the softcap's slope to matter: large ones, against autograd through the loss itself
+  rng = np.random.default_rng(0)
+  z, t = Tensor(rng.normal(0, 20, (B, T, 64)).astype(np.float32)), Tensor(rng.integers(0, 64, (B, T)).astype(np.int32))
+  np.testing.assert_allclose(dust.head_exact(model, z, t).numpy(), cross_entropy(z, t, model.cfg.softcap).sum().gradient(z)[0].numpy(),
+                             rtol=1e-4, atol=1e-6)
 
 def test_clean_attention_follows_its_records():
   """The attention capture is a JIT per depth that lives across steps, its memory freed after use: at every call (the capture, the

@@ -297,6 +297,15 @@ def test_replayed_momentum_equals_buffer():
   tail = math.sqrt(sum(mu ** (2 * a) for a in range(5, steps)) / sum(mu ** (2 * a) for a in range(steps)))
   assert abs(gap(short, ref, steps - 1) / tail - 1) < 0.2, (gap(short, ref, steps - 1), tail)
 
+def test_replay_keeps_no_buffer():
+  # --replay's point is memory: the state is the last W steps' keys and coefficients, no momentum buffer of D floats; and an estimate
+  # without seeds (Dust's, backprop's) is refused, where SGD without its buffer would silently drop the momentum
+  ps = {"w": Tensor.zeros(48, 32).contiguous().realize()}
+  opt = optim.Optimizer(ps, {"w": 1e-3}, "sgd", 0.9, 4)
+  opt.step(estimators.Compact(Tensor([1, 2], dtype=dtypes.uint32), Tensor([1.0, -1.0])))
+  assert {k: t.numel() for k, t in opt.state().items() if t.numel() > 1} == {"replay.keys": 4 * 2, "replay.coef": 4 * 2}
+  with pytest.raises(ValueError, match="replay 0"): opt.step({"w": Tensor.zeros(48, 32)})
+
 def test_old_replay_history_refused():
   # the history now keeps a root key per step; a checkpoint that kept a key per direction ([W, N, 2]) must stop with one clear error,
   # not load and fail later inside the update's JIT
