@@ -158,10 +158,10 @@ def mean_of(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...
   without an nrep): G chunks a call (or G runs of `unit` chunks), G the most that divide the runs and hold at most TOKENS tokens on a
   GPU (one on the CPU). The weights are no input: the JIT reads them from the model, where the optimizer updates them in place."""
   n = len(draws.chunks) // (unit or 1)
+  K = static.get("nrep", 1) * n  # the draws behind each estimate (the head's: each slab gets one chunk of a cycle of `unit`)
   G = engine.per_call(n, tokens, TOKENS if batches_chunks(draws.key.device) else 0)
   return engine.mean(keyed, model, draws.key, GROUP.bind(draws.group), BLOCK.bind(draws.block), *inputs, chunks=draws.chunks,
-                     per_call=G * (unit or 1), count=static.get("nrep", 1) * n, shapes=shapes, chunk=chunk, unit=unit,
-                     noise=draws.noise, **static)
+                     per_call=G * (unit or 1), count=K, shapes=shapes, chunk=chunk, unit=unit, noise=draws.noise, **static)
 
 def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
 
