@@ -398,7 +398,9 @@ def test_bad_number(flag:str, value:str, capsys):
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
-# protects: --noise is Dust's: another method refuses it up front (exit 2, naming the flag) instead of ignoring it
-def test_noise_is_dusts(tmp_path:Path):
-  r = cli(*argv(tmp_path / "out", "--steps", 2), "--method", "mezo", "--pop", 1, "--noise", "rademacher")
-  assert r.returncode == 2 and "Traceback" not in r.stderr and "--noise rademacher" in r.stderr.strip().splitlines()[-1], r.stderr
+# protects: --noise and --head are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
+@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact")])
+def test_dust_flags_are_dusts(flag:str, value:str, capsys):
+  with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", "--pop", "1", flag, value])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"{flag} {value}" in err.strip().splitlines()[-1] and "Traceback" not in err, err
