@@ -248,7 +248,7 @@ def head_exact(model, z:Tensor, y:Tensor) -> Tensor:
   no backward pass: with c = cap tanh(z / cap), dloss_t/dz_t = (softmax(c_t) − onehot(y_t)) (1 − (c_t / cap)²), from the clean
   forward's raw logits z alone. Not the release's, which estimates it from slabs (§3.6)."""
   c = softcap(z.float(), model.cfg.softcap)
-  return (c.softmax(-1) - (y.unsqueeze(-1) == Tensor.arange(z.shape[-1])).float()) * (1 - (c / model.cfg.softcap).square())
+  return (c.softmax(-1) - y.one_hot(z.shape[-1]).float()) * (1 - (c / model.cfg.softcap).square())
 
 # ***** attention internals: local errors against the hub targets (§3.5) *****
 

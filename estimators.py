@@ -2,7 +2,7 @@
 
 Every estimator is a function (model, x, y, pop, key, **options) -> (estimate, mean loss), registered by name with @estimator, so
 that `python zo.py --method NAME` trains with it and the command line passes it the options its signature names (eps, sigma,
-shaping, rank, devices; Dust's optimizer, budget and noise). `key` is the step's root key (kernels/noise.py): direction k's noise
+shaping, rank, devices; Dust's optimizer, budget, noise and head). `key` is the step's root key (kernels/noise.py): direction k's noise
 is a pure function of fold(key, k), so an estimate is a key and a coefficient per direction (Compact), which the optimizer turns
 into dense noise where it updates the weights, and nothing of the noise is ever kept.
 

@@ -48,12 +48,13 @@ class Optimizer:
     if self.uploaded[0] != self.scale:  # a tensor, not a Python float: a new lr is new data, not a new kernel; uploaded when it changes
       self.uploaded = (self.scale, Tensor([self.scale]).realize())
     scale = self.uploaded[1]
-    if self.W and self.kind == "sgd" and not isinstance(g, Compact):
+    replayed = self.W and self.kind == "sgd"  # the momentum rebuilt from the last W steps' seeds
+    if replayed and not isinstance(g, Compact):
       raise ValueError(f"replayed momentum rebuilds the steps from their seeds, which a {type(g).__name__} estimate has not: use a "
                        "momentum buffer (replay 0) with this method")
     if isinstance(g, Flat): return engine.jit(flat_update, self)(g.buf, scale)
     if not isinstance(g, Compact): return engine.jit(update, self)(g, scale)
-    if not (self.W and self.kind == "sgd"): return engine.jit(compact_update, self, rank=g.rank)(g.key, g.coef, scale)
+    if not replayed: return engine.jit(compact_update, self, rank=g.rank)(g.key, g.coef, scale)
     if self.keys is None:
       self.keys = Tensor.zeros(self.W, 2, dtype=dtypes.uint32).contiguous().realize()
       self.coef = Tensor.zeros(self.W, *g.coef.shape).contiguous().realize()

@@ -342,8 +342,9 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   for flag, value, ok, need in checks(args):
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{flag.replace('_', '-')} {value}: must be {need}\n")  # one line
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  if args.noise != "gaussian" and "noise" not in takes(args.method): p.error(f"--noise {args.noise} is Dust's: {args.method} draws Gaussian noise")
-  if args.head != "slabs" and "head" not in takes(args.method): p.error(f"--head {args.head} is Dust's: {args.method} has no head draws")
+  for flag in ("noise", "head"):  # Dust's: another method refuses them rather than ignore them
+    if getattr(args, flag) != p.get_default(flag) and flag not in takes(args.method):
+      p.error(f"--{flag} {getattr(args, flag)} is Dust's: {args.method} does not take it")
   return args
 
 def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool], str]]:
