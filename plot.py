@@ -3,6 +3,9 @@
 
   python plot.py runs/dust runs/backprop --out docs/loss.png      val loss against tokens and against seconds, a curve per run
                                                                   (each run's metrics.jsonl; its label is the folder's name)
+  python plot.py docs/race/*/ --reach docs/race/dust-adamw --out docs/race/race.png
+                                                                  the same, and a table: each run's final val loss, seconds,
+                                                                  and the seconds it took to reach the --reach run's final loss
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
                                                                   a Dust update's seconds against the population, zo beside the
                                                                   PyTorch reference (bench.json from `tests/bench.py --json`)
@@ -22,11 +25,22 @@ def loss_curves(runs:list[str], out:str):
     by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label)
     by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label)
   by_tokens.set(xlabel="tokens", ylabel="val loss (nats)")
-  by_time.set(xlabel="seconds")
+  by_time.set(xlabel="seconds (log scale: runs differ by orders of magnitude)", xscale="log")
   for ax in (by_tokens, by_time): ax.grid(alpha=0.3)
   by_tokens.legend()
   fig.tight_layout()
   fig.savefig(out, dpi=120)
+
+def reach_table(runs:list[str], target_run:str) -> str:
+  """A markdown table: each run's final val loss and seconds, and the seconds of its first evaluation at or below the target run's
+  final val loss (evaluations are every --eval-every steps, so this is an upper bound by at most that many steps' time)."""
+  target = metrics(target_run)[-1]["val_loss"]
+  rows = [f"| run | final val loss | seconds | reaches {target:.3f} after: seconds | tokens |", "|---|---|---|---|---|"]
+  for run in sorted(runs, key=lambda r: metrics(r)[-1]["val_loss"]):
+    m = metrics(run)
+    hit = next((f"{r['seconds']:,.1f} | {r['tokens']:,}" for r in m if r["val_loss"] <= target), "never | never")
+    rows.append(f"| {os.path.basename(os.path.normpath(run))} | {m[-1]['val_loss']:.3f} | {m[-1]['seconds']:,.1f} | {hit} |")
+  return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):
   rows = [r for r in json.load(open(bench)) if r["method"] == "dust" and r["devices"] == 1]
@@ -49,8 +63,11 @@ if __name__ == "__main__":
   p.add_argument("runs", nargs="*", help="run folders, each with a metrics.jsonl")
   p.add_argument("--bench", help="tests/bench.py --json output")
   p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
+  p.add_argument("--reach", help="a run folder: also print a table of each run's seconds to reach its final val loss")
   p.add_argument("--out", required=True, help="the PNG to write")
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
-  elif args.runs: loss_curves(args.runs, args.out)
+  elif args.runs:
+    loss_curves(args.runs, args.out)
+    if args.reach: print(reach_table(args.runs, args.reach))
   else: p.error("give run folders, or --bench with --reference")

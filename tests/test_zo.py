@@ -408,6 +408,21 @@ def test_plot(background, tmp_path:Path):
     w, h = png_size(png)
     assert w > 100 and h > 100, (png, w, h)
 
+def test_reach_table(tmp_path:Path):
+  # the race table: a run's time to reach the target's final loss is its FIRST evaluation at or below it (not its last, not a
+  # train loss), "never" when none is, and the rows go from the best final val loss to the worst
+  import plot
+  curves = {"target": [(0, 5.0, 10.0), (9, 2.0, 90.0)], "fast": [(0, 5.0, 1.0), (4, 1.9, 2.0), (9, 1.5, 3.0)],
+            "slow": [(0, 5.0, 1.0), (9, 2.5, 4.0)]}
+  for name, evals in curves.items():
+    (tmp_path / name).mkdir()
+    rows = [{"step": s, "tokens": 10 * (s + 1), "train_loss": 0.0, "seconds": t, "val_loss": v} for s, v, t in evals]
+    rows.insert(1, {"step": 1, "tokens": 20, "train_loss": 1.0, "seconds": 1.5})  # a line without an evaluation is skipped
+    (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  table = plot.reach_table([str(tmp_path / n) for n in curves], str(tmp_path / "target")).splitlines()
+  assert "2.000" in table[0] and table[2:] == ["| fast | 1.500 | 3.0 | 2.0 | 50 |", "| target | 2.000 | 90.0 | 90.0 | 100 |",
+                                               "| slow | 2.500 | 4.0 | never | never |"], table
+
 # ***** 7. the command line *****
 
 FLAGS = ("--method --pop --model --vocab --loops --eval-loops --data --steps --tokens --batch --seq --lr --optim --momentum --sigma --eps "
