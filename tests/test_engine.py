@@ -1,7 +1,7 @@
 """Tests of engine.py, the one module that uses tinygrad's internals: that no other file does, and that its workarounds hold. JITs
 share one arena, replays take whole buffers, `jit` takes containers and repeated inputs, and `stack` and `mean` give what one call
 would, whatever the chunks a call."""
-import ast, pathlib
+import ast, json, os, pathlib, subprocess, sys
 import numpy as np
 import pytest
 from tinygrad import Tensor, Variable
@@ -17,7 +17,7 @@ ALGORITHM = ("model.py", "estimators.py", "dust.py", "optim.py", "zo.py", "devic
 PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "Variable", "GlobalCounters"}
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
-             "ensure_allocated", "schedule_linear"}
+             "ensure_allocated", "schedule_linear", "to_program_cache", "do_to_program", "diskcache_get", "diskcache_put"}
 
 def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
   """Each use of a private tinygrad name in a file: an import of a name that starts with _ or is an internal, an attribute that starts
@@ -53,6 +53,25 @@ def test_the_check_sees_private_names(tmp_path):
     (p := tmp_path / "model.py").write_text(added + src)
     assert private_uses(p, True), added
   assert private_uses(ROOT / "engine.py", False)  # engine.py does use them
+
+# ***** kernels lowered once across processes (engine.LoweredOnDisk) *****
+
+LOWER = """import json, engine, tinygrad.codegen as codegen
+from tinygrad import Device, Tensor
+Device[Device.DEFAULT]  # a device lowers its own programs as it opens, in every process: not counted
+lowered, do = [], codegen.do_to_program
+codegen.do_to_program = lambda ast, renderer: lowered.append(ast) or do(ast, renderer)
+values = ((Tensor.arange(64).reshape(8, 8).float() / 9).exp() @ Tensor.ones(8, 8)).sum(1).tolist()
+print(json.dumps({"lowered": len(lowered), "values": values}))"""
+
+def test_lowered_kernels_kept_across_processes(tmp_path):
+  # a second process with the same cache db lowers none of the kernels that the first lowered, and computes the same numbers; without
+  # LoweredOnDisk it lowers them all again (PARALLEL=0: every kernel is lowered in the process, where it is counted)
+  env = {**os.environ, "CACHEDB": str(tmp_path / "cache.db"), "PARALLEL": "0"}
+  runs = [subprocess.run([sys.executable, "-c", LOWER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+  assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+  first, second = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
+  assert first["lowered"] > 0 and second["lowered"] == 0 and second["values"] == first["values"], (first, second)
 
 # ***** JITs sharing one arena (engine.Scratch) *****
 
