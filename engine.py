@@ -24,7 +24,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - kernels lowered again in every process (LoweredOnDisk).
 """
 from __future__ import annotations
-import hashlib, itertools, weakref
+import hashlib, importlib.metadata, itertools, weakref
 from typing import Any, Callable
 import numpy as np
 from tinygrad import Context, Tensor, Variable, dtypes
@@ -45,6 +45,10 @@ from tinygrad.uop.ops import Ops, UOp, buffers
 # after two clean forwards of the tiny one at 32 loops). New buffers numbered from 2^30 never meet a placeholder.
 UOp.unique_num = itertools.count(1 << 30)
 
+def tinygrad_version() -> str|None:
+  try: return importlib.metadata.version("tinygrad")
+  except importlib.metadata.PackageNotFoundError: return None
+
 class LoweredOnDisk(dict):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
   every kernel again (its AST rewritten, optimized and rendered to source): about 0.19 s a kernel on a 2-core CPU, for the 264
@@ -52,9 +56,11 @@ class LoweredOnDisk(dict):
   programs, keyed as tinygrad keys it (the AST's hash, the renderer, its target and the settings that shape code), that also reads
   and writes tinygrad's cache db (CACHEDB; CACHELEVEL=0 turns it off, as it does tinygrad's own). Measured, a second run's first
   Dust step: 67.3 -> 20.6 s at the small preset with the H200's kernels on a CPU (NULL device, lowering in the process), and
-  102.9 -> 62.5 s on the 2-core CPU (tiny preset); a first run's is unchanged."""
+  102.9 -> 62.5 s on the 2-core CPU (tiny preset); a first run's is unchanged. The key adds tinygrad's version: another version
+  may lower the same AST otherwise, and a tinygrad without one (a source checkout) keeps nothing on disk."""
+  version = tinygrad_version()
   @staticmethod
-  def row(key:tuple) -> str: return hashlib.sha256(repr(key).encode()).hexdigest()
+  def row(key:tuple) -> str: return hashlib.sha256(repr((LoweredOnDisk.version, key)).encode()).hexdigest()
   def get(self, key:tuple, default=None):
     if (prg := dict.get(self, key)) is None and (prg := diskcache_get("zo_lowered", self.row(key))) is not None: dict.__setitem__(self, key, prg)
     return default if prg is None else prg
@@ -65,7 +71,8 @@ class LoweredOnDisk(dict):
   def __setitem__(self, key:tuple, prg:UOp):
     dict.__setitem__(self, key, prg)
     diskcache_put("zo_lowered", self.row(key), prg)
-tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
+if LoweredOnDisk.version is not None:
+  tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
 
 class Scratch:
   """One arena per device for the memory plans of every JIT. tinygrad plans a JIT's intermediates into an arena of its own: the ~45

@@ -56,8 +56,9 @@ def test_the_check_sees_private_names(tmp_path):
 
 # ***** kernels lowered once across processes (engine.LoweredOnDisk) *****
 
-LOWER = """import json, engine, tinygrad.codegen as codegen
+LOWER = """import json, sys, engine, tinygrad.codegen as codegen
 from tinygrad import Device, Tensor
+engine.LoweredOnDisk.version = sys.argv[1]  # as if this tinygrad were of that version
 Device[Device.DEFAULT]  # a device lowers its own programs as it opens, in every process: not counted
 lowered, do = [], codegen.do_to_program
 codegen.do_to_program = lambda ast, renderer: lowered.append(ast) or do(ast, renderer)
@@ -66,12 +67,14 @@ print(json.dumps({"lowered": len(lowered), "values": values}))"""
 
 def test_lowered_kernels_kept_across_processes(tmp_path):
   # a second process with the same cache db lowers none of the kernels that the first lowered, and computes the same numbers; without
-  # LoweredOnDisk it lowers them all again (PARALLEL=0: every kernel is lowered in the process, where it is counted)
+  # LoweredOnDisk it lowers them all again (PARALLEL=0: every kernel is lowered in the process, where it is counted). A process with
+  # another tinygrad version lowers them again: that version may lower the same kernel otherwise.
   env = {**os.environ, "CACHEDB": str(tmp_path / "cache.db"), "PARALLEL": "0"}
-  runs = [subprocess.run([sys.executable, "-c", LOWER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+  runs = [subprocess.run([sys.executable, "-c", LOWER, v], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300) for v in "AAB"]
   assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
-  first, second = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
-  assert first["lowered"] > 0 and second["lowered"] == 0 and second["values"] == first["values"], (first, second)
+  first, second, other = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
+  assert first["lowered"] > 0 and second["lowered"] == 0 and other["lowered"] == first["lowered"], (first, second, other)
+  assert second["values"] == first["values"] == other["values"]
 
 # ***** JITs sharing one arena (engine.Scratch) *****
 
