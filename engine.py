@@ -24,7 +24,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - kernels lowered again in every process (LoweredOnDisk).
 """
 from __future__ import annotations
-import hashlib, importlib.metadata, itertools, weakref
+import contextlib, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
 from typing import Any, Callable
 import numpy as np
 from tinygrad import Context, Tensor, Variable, dtypes
@@ -33,7 +33,7 @@ from tinygrad.dtype import _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, _TinyJit
 import tinygrad.codegen, tinygrad.engine.realize
 from tinygrad.engine.realize import graph_cache
-from tinygrad.helpers import JIT, diskcache_get, diskcache_put
+from tinygrad.helpers import JIT, diskcache_get, diskcache_put, getenv
 from tinygrad.nn.state import get_parameters
 from tinygrad.tensor import all_tensors
 from tinygrad.uop.ops import Ops, UOp, buffers
@@ -45,24 +45,35 @@ from tinygrad.uop.ops import Ops, UOp, buffers
 # after two clean forwards of the tiny one at 32 loops). New buffers numbered from 2^30 never meet a placeholder.
 UOp.unique_num = itertools.count(1 << 30)
 
-def tinygrad_version() -> str|None:
-  try: return importlib.metadata.version("tinygrad")
-  except importlib.metadata.PackageNotFoundError: return None
+def tinygrad_settings() -> tuple[str|None, tuple[tuple[str, str], ...]]:
+  """tinygrad's version, and each of its settings that the environment sets: the names its source reads with getenv or ContextVar
+  (0.1 s at import). tinygrad's own key for a lowered kernel leaves out those that cannot change inside one process (THREADS, MV_*,
+  ...), but they can between processes."""
+  try: version = importlib.metadata.version("tinygrad")
+  except importlib.metadata.PackageNotFoundError: version = None
+  names = set()
+  for f in pathlib.Path(tinygrad.__file__).parent.rglob("*.py"):
+    names.update(re.findall(r"""(?:getenv|ContextVar)\(\s*["']([A-Z_0-9]+)["']""", f.read_text()))
+  return version, tuple((n, os.environ[n]) for n in sorted(names) if n in os.environ)
 
 class LoweredOnDisk(dict):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
   every kernel again (its AST rewritten, optimized and rendered to source): about 0.19 s a kernel on a 2-core CPU, for the 264
   kernels of a Dust step at the small preset, most of a second run's first step. This is tinygrad's in-memory cache of lowered
-  programs, keyed as tinygrad keys it (the AST's hash, the renderer, its target and the settings that shape code), that also reads
-  and writes tinygrad's cache db (CACHEDB; CACHELEVEL=0 turns it off, as it does tinygrad's own). Measured, a second run's first
-  Dust step: 67.3 -> 20.6 s at the small preset with the H200's kernels on a CPU (NULL device, lowering in the process), and
-  102.9 -> 62.5 s on the 2-core CPU (tiny preset); a first run's is unchanged. The key adds tinygrad's version: another version
-  may lower the same AST otherwise, and a tinygrad without one (a source checkout) keeps nothing on disk."""
-  version = tinygrad_version()
+  programs, keyed as tinygrad keys it (the AST's hash, the renderer, its target and the settings that shape code) and by
+  tinygrad_settings(), that also reads and writes tinygrad's cache db. Measured, a second run's first Dust step: 67.3 -> 20.6 s at
+  the small preset with the H200's kernels on a CPU (NULL device, lowering in the process), and 102.9 -> 62.5 s on the 2-core CPU
+  (tiny preset); a first run's is unchanged. It is off where tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0,
+  IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code may change under one version), and a db that can't be read
+  or written leaves it in memory, as tinygrad's own."""
+  settings = tinygrad_settings()
   @staticmethod
-  def row(key:tuple) -> str: return hashlib.sha256(repr((LoweredOnDisk.version, key)).encode()).hexdigest()
+  def row(key:tuple) -> str: return hashlib.sha256(repr((LoweredOnDisk.settings, key)).encode()).hexdigest()
   def get(self, key:tuple, default=None):
-    if (prg := dict.get(self, key)) is None and (prg := diskcache_get("zo_lowered", self.row(key))) is not None: dict.__setitem__(self, key, prg)
+    if (prg := dict.get(self, key)) is None:
+      try: prg = diskcache_get("zo_lowered", self.row(key))
+      except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): prg = None  # unreadable: lowered again
+      if prg is not None: dict.__setitem__(self, key, prg)
     return default if prg is None else prg
   def __contains__(self, key) -> bool: return self.get(key) is not None
   def __getitem__(self, key:tuple) -> UOp:
@@ -70,8 +81,8 @@ class LoweredOnDisk(dict):
     return prg
   def __setitem__(self, key:tuple, prg:UOp):
     dict.__setitem__(self, key, prg)
-    diskcache_put("zo_lowered", self.row(key), prg)
-if LoweredOnDisk.version is not None:
+    with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_lowered", self.row(key), prg)
+if LoweredOnDisk.settings[0] is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
 
 class Scratch:

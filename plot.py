@@ -32,8 +32,8 @@ def loss_curves(runs:list[str], out:str):
   fig.savefig(out, dpi=120)
 
 def reach_table(runs:list[str], target_run:str) -> str:
-  """A markdown table: each run's final val loss and seconds, and the seconds of its first evaluation at or below the target run's
-  final val loss (evaluations are every --eval-every steps, so this is an upper bound by at most that many steps' time)."""
+  """A markdown table: each run's final val loss and seconds, and the seconds and tokens of its first evaluation at or below the
+  target run's final val loss (evaluations come every --eval-every steps, so the run got there at most that many steps sooner)."""
   target = metrics(target_run)[-1]["val_loss"]
   rows = [f"| run | final val loss | seconds | reaches {target:.3f} after: seconds | tokens |", "|---|---|---|---|---|"]
   for run in sorted(runs, key=lambda r: metrics(r)[-1]["val_loss"]):
@@ -63,7 +63,7 @@ if __name__ == "__main__":
   p.add_argument("runs", nargs="*", help="run folders, each with a metrics.jsonl")
   p.add_argument("--bench", help="tests/bench.py --json output")
   p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
-  p.add_argument("--reach", help="a run folder: also print a table of each run's seconds to reach its final val loss")
+  p.add_argument("--reach", help="a run folder: also print a table of each run's seconds and tokens to reach the final val loss of this run")
   p.add_argument("--out", required=True, help="the PNG to write")
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
