@@ -68,6 +68,8 @@ if __name__ == "__main__":
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
   elif args.runs:
+    if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
+      p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
     loss_curves(args.runs, args.out)
     if args.reach: print(reach_table(args.runs, args.reach))
   else: p.error("give run folders, or --bench with --reference")

@@ -422,6 +422,12 @@ def test_reach_table(tmp_path:Path):
   table = plot.reach_table([str(tmp_path / n) for n in curves], str(tmp_path / "target")).splitlines()
   assert "2.000" in table[0] and table[2:] == ["| fast | 1.500 | 3.0 | 2.0 | 50 |", "| target | 2.000 | 90.0 | 90.0 | 100 |",
                                                "| slow | 2.500 | 4.0 | never | never |"], table
+  # a run without any evaluation is refused with one line naming it, not a traceback
+  (tmp_path / "none").mkdir()
+  (tmp_path / "none" / "metrics.jsonl").write_text(json.dumps({"step": 0, "tokens": 10, "train_loss": 1.0, "seconds": 1.0}) + "\n")
+  r = subprocess.run([sys.executable, "plot.py", str(tmp_path / "fast"), str(tmp_path / "none"), "--reach", str(tmp_path / "fast"), "--out",
+                      str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "no val loss in" in r.stderr and "none" in r.stderr, r.stderr[-2000:]
 
 # ***** 7. the command line *****
 
