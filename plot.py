@@ -36,8 +36,7 @@ def reach_table(runs:list[str], target_run:str) -> str:
   target run's final val loss (evaluations come every --eval-every steps, so the run got there at most that many steps sooner)."""
   target = metrics(target_run)[-1]["val_loss"]
   rows = [f"| run | final val loss | seconds | reaches {target:.3f} after: seconds | tokens |", "|---|---|---|---|---|"]
-  for run in sorted(runs, key=lambda r: metrics(r)[-1]["val_loss"]):
-    m = metrics(run)
+  for run, m in sorted(((run, metrics(run)) for run in runs), key=lambda rm: rm[1][-1]["val_loss"]):
     hit = next((f"{r['seconds']:,.1f} | {r['tokens']:,}" for r in m if r["val_loss"] <= target), "never | never")
     rows.append(f"| {os.path.basename(os.path.normpath(run))} | {m[-1]['val_loss']:.3f} | {m[-1]['seconds']:,.1f} | {hit} |")
   return "\n".join(rows)
