@@ -20,7 +20,7 @@ import numpy as np
 from tinygrad import Tensor, Variable, dtypes
 from kernels import batches_chunks
 from kernels.attention import moved, mixed, prepare
-from kernels.loss import softcap
+from kernels.loss import exp_sum, softcap
 from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
@@ -218,7 +218,7 @@ def head_error(model, rec:dict[str, Tensor], y:Tensor, sigma:float, draws:Draws,
   W = V // S
   assert len(draws.chunks) % S == 0, f"{len(draws.chunks)} head chunks don't cycle evenly over {S} slabs"
   c, hit = softcap(z, model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
-  slab_sum = c.exp().reshape(B, T, S, W).sum(-1)  # |c| <= cap, so exp needs no max-subtraction
+  slab_sum = exp_sum(c.reshape(B, T, S, W))  # |c| <= cap, so exp needs no max-subtraction
   c_y = (c * hit).sum(-1)
   clean = {"z": z.reshape(B, T, S, W), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
   Tensor.realize(*clean.values())
@@ -238,7 +238,7 @@ def head_chunk(model, ks:Tensor, clean:dict[str, Tensor], y:Tensor, sigma:float,
     c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
-    reward = clean["loss0"] - ((slab_sum.sum(-1) - slab_sum[:, :, m] + c2.exp().sum(-1)).log() - target)
+    reward = clean["loss0"] - ((slab_sum.sum(-1) - slab_sum[:, :, m] + exp_sum(c2)).log() - target)
     if B > 1: reward = reward - reward.mean(1, keepdim=True)  # centred across the batch at each draw and position, not across draws
     return -(reward.unsqueeze(-1) * a).sum(0) / sigma
   return [Tensor.stack(*[slab(m).realize() for m in range(S)], dim=2)]  # a slab at a time: one slab's draws in memory

@@ -307,7 +307,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "trained on the text's training split (saved as OUT/tokenizer.json; the tokens are cached beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
   p.add_argument("--tokens", type=int, default=None, help="training budget in tokens, when --steps is not given (default: 500,000 on "
-                 "a GPU, 50,000 on the CPU: either takes Dust pop 1024 to about 0.1 nats above the synthetic data's floor)")
+                 "a GPU, 20,000 on the CPU, where 2 cores run it in under 10 minutes)")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
   p.add_argument("--seq", type=int, default=None, help="training sequence length, at most the model's context (default: the context)")
   p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
@@ -376,12 +376,12 @@ def check_devices(args:argparse.Namespace):
     except Exception as e: raise UsageError(f"--devices {n}: {d} does not open ({type(e).__name__}: {e})") from None
 
 def device_defaults(args, device:str):
-  """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU, where a Dust pop-1024
-  step of the tiny model took 52-58 s on 2 cores, mostly in the head, the tiny model, 50,000 tokens and a synthetic chain of 32
-  states, whose head is 1/8 of a 256-token vocab's and which Dust learns in ~100 steps (docs/performance.md: the CPU's default run)."""
+  """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU the tiny model on a
+  synthetic chain of 32 states (a 256-token vocab's head made a Dust pop-1024 step 52-58 s on 2 cores) for 20,000 tokens: 39 steps
+  of ~10 s, so that the run takes under 10 minutes on 2 cores (docs/performance.md: the CPU's default run)."""
   cpu = device == "CPU"
   args.model = args.model or ("tiny" if cpu else "small")
-  if args.tokens is None: args.tokens = 50_000 if cpu else 500_000
+  if args.tokens is None: args.tokens = 20_000 if cpu else 500_000
   if cpu and args.data == "synthetic" and args.vocab is None: args.vocab = 32
 
 def main(argv:list[str]|None=None):

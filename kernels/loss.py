@@ -13,7 +13,7 @@ import functools, math
 from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
-from kernels import cuda_kernels
+from kernels import cuda_kernels, writes_exps
 from kernels.cuda import operands, program
 
 SOURCE = r"""
@@ -66,13 +66,20 @@ extern "C" __global__ void __launch_bounds__(256) {NAME}(half *__restrict__ DZ, 
 
 def softcap(t:Tensor, cap:float) -> Tensor: return cap * (t / cap).tanh()  # smoothly into (-cap, cap)
 
+def exp_sum(c:Tensor) -> Tensor:
+  """sum exp(c) over the last axis. On the CPU the exps are written, then summed (kernels/__init__.py's table): the loss of 4,096
+  tokens at vocab 32 took 3.9 ms so, 8.6 ms fused (2 cores)."""
+  e = c.exp()
+  return (e.contiguous() if writes_exps(c.device) else e).sum(-1)
+
 def cross_entropy(z:Tensor, y:Tensor, cap:float) -> Tensor:
   """The loss of each token, float32 [...], of the logits z [..., V] soft-capped at `cap`, for the targets y [...]: one kernel where
   `fits` (kernels/__init__.py's table), else tensor ops."""
   if fits(z, cap): return softcapped_loss(z, y, cap)
   c = softcap(z.float(), cap)
   # contiguous: a consumer that sums the losses would otherwise fuse the vocab reductions into its own (8.5 s, not 1 ms, on the H200)
-  return (c.logsumexp(-1) - c.gather(-1, y.unsqueeze(-1)).squeeze(-1)).contiguous()
+  top = c.max(-1, keepdim=True)  # logsumexp's max, though |c| < cap: it keeps the float32 rounding that the estimates were pinned with
+  return (exp_sum(c - top).log() + top.squeeze(-1) - c.gather(-1, y.unsqueeze(-1)).squeeze(-1)).contiguous()
 
 def fits(z:Tensor, cap:float) -> bool:
   """z [..., V]: half on a GPU that runs kernels/cuda.py's kernels, V a multiple of 256, rows by 8 (warps), and V e^cap, the largest

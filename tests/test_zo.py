@@ -448,8 +448,8 @@ def test_device_defaults():
   def run(device:str, *argv:str) -> tuple:
     zo.device_defaults(args := zo.parse(list(argv)), device)
     return args.model, args.vocab, args.tokens
-  assert run("CPU") == ("tiny", 32, 50_000) and run("CUDA") == ("small", None, 500_000)
-  assert run("CPU", "--data", "t.txt") == ("tiny", None, 50_000) and run("CPU", "--vocab", "256", "--tokens", "7") == ("tiny", 256, 7)
+  assert run("CPU") == ("tiny", 32, 20_000) and run("CUDA") == ("small", None, 500_000)
+  assert run("CPU", "--data", "t.txt") == ("tiny", None, 20_000) and run("CPU", "--vocab", "256", "--tokens", "7") == ("tiny", 256, 7)
   assert run("METAL", "--model", "tiny") == ("tiny", None, 500_000)
 
 TYPES = ("mlp in", "mlp out", "attn out", "q", "k", "v", "gate", "ve", "wte", "head", "scalars")  # every layer type of the tiny GPT
