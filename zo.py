@@ -378,7 +378,7 @@ def check_devices(args:argparse.Namespace):
 def device_defaults(args, device:str):
   """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU the tiny model on a
   synthetic chain of 32 states (a 256-token vocab's head made a Dust pop-1024 step 52-58 s on 2 cores) for 20,000 tokens: 39 steps
-  of ~10 s, so that the run takes under 10 minutes on 2 cores (docs/performance.md: the CPU's default run)."""
+  of ~10 s, so that the run takes under 10 minutes on 2 cores (docs/performance.md: "The CPU's step: sums of exps written out")."""
   cpu = device == "CPU"
   args.model = args.model or ("tiny" if cpu else "small")
   if args.tokens is None: args.tokens = 20_000 if cpu else 500_000
