@@ -24,7 +24,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - kernels lowered again in every process (LoweredOnDisk).
 """
 from __future__ import annotations
-import contextlib, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
+import contextlib, functools, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
 from typing import Any, Callable
 import numpy as np
 from tinygrad import Context, Tensor, Variable, dtypes
@@ -45,16 +45,19 @@ from tinygrad.uop.ops import Ops, UOp, buffers
 # after two clean forwards of the tiny one at 32 loops). New buffers numbered from 2^30 never meet a placeholder.
 UOp.unique_num = itertools.count(1 << 30)
 
+def tinygrad_version() -> str|None:
+  try: return importlib.metadata.version("tinygrad")
+  except importlib.metadata.PackageNotFoundError: return None
+
+@functools.cache
 def tinygrad_settings() -> tuple[str|None, tuple[tuple[str, str], ...]]:
-  """tinygrad's version, and each of its settings that the environment sets: the names its source reads with getenv or ContextVar
-  (0.1 s at import). tinygrad's own key for a lowered kernel leaves out those that cannot change inside one process (THREADS, MV_*,
-  ...), but they can between processes."""
-  try: version = importlib.metadata.version("tinygrad")
-  except importlib.metadata.PackageNotFoundError: version = None
+  """tinygrad's version, and each of its settings that the environment sets: the names its source reads with getenv or ContextVar.
+  tinygrad's own key for a lowered kernel leaves out those that cannot change inside one process (THREADS, MV_*, ...), but they can
+  between processes. Read at the first kernel a process looks up (0.1 s, which a process that lowers none, `zo.py --help`, skips)."""
   names = set()
   for f in pathlib.Path(tinygrad.__file__).parent.rglob("*.py"):
     names.update(re.findall(r"""(?:getenv|ContextVar)\(\s*["']([A-Z_0-9]+)["']""", f.read_text()))
-  return version, tuple((n, os.environ[n]) for n in sorted(names) if n in os.environ)
+  return tinygrad_version(), tuple((n, os.environ[n]) for n in sorted(names) if n in os.environ)
 
 class LoweredOnDisk(dict):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
@@ -66,9 +69,8 @@ class LoweredOnDisk(dict):
   (tiny preset); a first run's is unchanged. It is off where tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0,
   IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code may change under one version), and a db that can't be read
   or written leaves it in memory, as tinygrad's own."""
-  settings = tinygrad_settings()
   @staticmethod
-  def row(key:tuple) -> str: return hashlib.sha256(repr((LoweredOnDisk.settings, key)).encode()).hexdigest()
+  def row(key:tuple) -> str: return hashlib.sha256(repr((tinygrad_settings(), key)).encode()).hexdigest()
   def get(self, key:tuple, default=None):
     if (prg := dict.get(self, key)) is None:
       try: prg = diskcache_get("zo_lowered", self.row(key))
@@ -82,7 +84,7 @@ class LoweredOnDisk(dict):
   def __setitem__(self, key:tuple, prg:UOp):
     dict.__setitem__(self, key, prg)
     with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_lowered", self.row(key), prg)
-if LoweredOnDisk.settings[0] is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
+if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
 
 class Scratch:

@@ -65,7 +65,7 @@ realize._compile_kernel = lambda task: sent.append(task) or send(task)  # what l
 values = ((Tensor.arange(64).reshape(8, 8).float() / 9).exp() @ Tensor.ones(8, 8)).sum(1).tolist()
 print(json.dumps({"lowered": len(lowered), "sent": len(sent), "values": values}))"""
 
-@pytest.mark.skipif(engine.LoweredOnDisk.settings[0] is None, reason="a tinygrad without a version keeps no lowered kernels on disk")
+@pytest.mark.skipif(engine.tinygrad_version() is None, reason="a tinygrad without a version keeps no lowered kernels on disk")
 def test_lowered_kernels_kept_across_processes(tmp_path):
   # a second process with the same cache db finds every kernel that the first lowered (it neither lowers it nor sends it to be
   # lowered) and computes the same numbers; without LoweredOnDisk it lowers them all again (PARALLEL=0: every kernel is lowered in
