@@ -21,7 +21,8 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - captures that hide the live lazy tensors (apart),
 - JITs that free what they own until their next replay (Function.release),
 - the device's copy-in and copy-out for small arrays (tensor, read),
-- kernels lowered again in every process (LoweredOnDisk).
+- kernels lowered again in every process (LoweredOnDisk),
+- CUDA kernels compiled by the driver at every process's module loads (machine_code).
 """
 from __future__ import annotations
 import contextlib, functools, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
@@ -35,6 +36,8 @@ import tinygrad.codegen, tinygrad.engine.realize
 from tinygrad.engine.realize import graph_cache
 from tinygrad.helpers import JIT, diskcache_get, diskcache_put, getenv
 from tinygrad.nn.state import get_parameters
+from tinygrad.renderer.cstyle import CUDARenderer
+from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.tensor import all_tensors
 from tinygrad.uop.ops import Ops, UOp, buffers
 
@@ -86,6 +89,17 @@ class LoweredOnDisk(dict):
     with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_lowered", self.row(key), prg)
 if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
+
+def machine_code(arch:str) -> NVRTCCompiler:
+  """NVRTC compiling CUDA C to machine code (a cubin) for `arch`, instead of PTX. tinygrad 0.14 keeps PTX for its CUDA backend, and the
+  driver compiles PTX to machine code at each module load: one kernel at a time, in the process, at every run that its own cache
+  (~/.nv/ComputeCache) has not seen. A cubin is compiled where tinygrad compiles (its pool of workers) and kept in its cache db."""
+  return NVRTCCompiler(arch, ptx=False, cache_key="cuda_sass")
+_cuda_renderer_init = CUDARenderer.__init__
+def cuda_renderer_init(self:CUDARenderer, target, use_nvcc:bool=False):
+  _cuda_renderer_init(self, target, use_nvcc)
+  if type(self.compiler) is NVRTCCompiler and self.compiler.ptx and target.device == "CUDA": self.compiler = machine_code(target.arch)
+CUDARenderer.__init__ = cuda_renderer_init
 
 class Scratch:
   """One arena per device for the memory plans of every JIT. tinygrad plans a JIT's intermediates into an arena of its own: the ~45

@@ -7,8 +7,8 @@ it the kernel's buffers), so backprop, the reference baseline, runs on them.
 """
 from tinygrad import Device, Tensor
 from tinygrad.renderer import Estimates
-from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+from engine import machine_code
 
 # one warp's tensor-core primitives. A 16x16 half tile of A, or two 8-column tiles of B stored [n][k], is 4 8x8 matrices that
 # ldmatrix loads, each lane giving the address of one row of one matrix; mma.sync multiplies them, accumulating in float.
@@ -37,12 +37,12 @@ def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_
             outs:int=1):
   """A custom_kernel fxn: buffers 0 .. outs-1 are the outputs, the rest the inputs, in the order of the kernel's parameters. tinygrad
   compiles the source for the device's own architecture (sm_90); `arch` compiles it here for another one instead: sm_90a, the only
-  target with Hopper's wgmma instructions."""
+  target with Hopper's wgmma instructions. Either way to machine code (engine.machine_code)."""
   def fxn(*_bufs:UOp) -> UOp:
     info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=tuple(range(outs)),
                        ins=tuple(range(outs, n_bufs)), target=Device[device].renderer.target)
     sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
-    code = (UOp(Ops.SOURCE, arg=PRELUDE + src),) + ((UOp(Ops.BINARY, arg=NVRTCCompiler(arch).compile_cached(PRELUDE + src)),) if arch else ())
+    code = (UOp(Ops.SOURCE, arg=PRELUDE + src),) + ((UOp(Ops.BINARY, arg=machine_code(arch).compile_cached(PRELUDE + src)),) if arch else ())
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=())) + code, arg=info)
   return fxn
 

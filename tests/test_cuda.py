@@ -116,6 +116,13 @@ names = [re.sub(r"\\x1b\\[[0-9;]*m", "", line).split()[3] for line in out.getval
 print(len(opt.opts), sorted(Counter("sgd" if n.startswith("sgd_") else "other" for n in names).items()))
 """
 
+MACHINE_CODE = """
+import engine
+from tinygrad.helpers import Target
+from tinygrad.renderer.cstyle import CUDARenderer
+print(CUDARenderer(Target("CUDA", "CUDA", "sm_90")).compiler.compile('extern "C" __global__ void k(float *a) { a[0] = 1.f; }')[:4])
+"""
+
 def nvrtc() -> bool:
   try: return importlib.util.find_spec("nvidia.cuda_nvrtc") is not None
   except ModuleNotFoundError: return False
@@ -202,6 +209,13 @@ def test_norm(add:bool):
   out = norm(Tensor(x.astype(np.float32)), dtypes.half, Tensor(y) if add else None).numpy()
   assert out.dtype == np.float16
   np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3)  # the output in half: 2^-11 relative, values up to ~4
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_machine_code():
+  # with zo's engine imported, tinygrad's CUDA renderer compiles to machine code (a cubin, an ELF file), not to PTX ("//" comments
+  # first), which the driver would compile again at each module load of a run
+  r = run("CUDA", MACHINE_CODE)
+  assert r.returncode == 0 and r.stdout.strip() == str(b"\x7fELF"), r.stderr[-3000:]
 
 @pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
 def test_jittered_for_the_h200():
