@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+r"""Where a run's first seconds go: zo.py's training loop with each phase of its first two steps timed between device syncs.
+
+  DEV=CUDA CACHEDB=/tmp/cold.db CUDA_CACHE_PATH=/tmp/nv python tests/first_step.py --method dust --pop 1024 --steps 1 --force \
+    2>&1 | tr '\r' '\n' | grep 's\] '
+
+takes zo.py's flags and prints, on stderr, each phase (the model, the data, the step, the update, the check, the evaluation, the
+save) with its seconds and what it did inside them: JIT captures and their seconds, `lower_and_compile` calls and their seconds
+(tinygrad's lowering and compiling, in its pool of workers), compiles in this process (zo's sm_90a kernels) and cache hits, and on
+CUDA the module loads. Fresh CACHEDB and CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
+"""
+import collections, os, sys, time
+T0 = time.perf_counter()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tinygrad import Device
+from tinygrad.device import Compiler
+from tinygrad.helpers import diskcache_get
+import tinygrad.engine.realize
+import data, engine, optim, zo
+
+seconds, counts = collections.Counter(), collections.Counter()
+
+def counted(what:str, cls, name:str, when=lambda *a: True):
+  """cls.name with its seconds added to seconds[what] and its calls to counts[what], the calls where when(*args) holds."""
+  fn = getattr(cls, name)
+  def wrapped(*a, **kw):
+    if not when(*a): return fn(*a, **kw)
+    t = time.perf_counter()
+    try: return fn(*a, **kw)
+    finally: seconds[what] += time.perf_counter() - t; counts[what] += 1
+  setattr(cls, name, wrapped)
+
+def phase(name:str, module, attr:str):
+  """module.attr timed between device syncs; its first two calls printed with what happened inside them."""
+  fn = getattr(module, attr)
+  def timed(*a, **kw):
+    Device[Device.DEFAULT].synchronize()
+    s0, c0, t = seconds.copy(), counts.copy(), time.perf_counter()
+    r = fn(*a, **kw)
+    Device[Device.DEFAULT].synchronize()
+    if (calls := counts[name]) < 2:
+      inside = ", ".join(f"{k} {counts[k] - c0[k]} in {seconds[k] - s0[k]:.1f} s" for k in counts if counts[k] > c0[k] and k in seconds)
+      hits = counts["compile hits"] - c0["compile hits"]
+      print(f"[{time.perf_counter() - T0:6.1f} s] {name}{' again' if calls else ''}: {time.perf_counter() - t:.2f} s; {inside}"
+            + (f"; compile cache hits {hits}" if hits else ""), file=sys.stderr, flush=True)
+    counts[name] += 1
+    return r
+  setattr(module, attr, timed)
+
+_compile_cached = Compiler.compile_cached
+def compile_cached(self, src:str) -> bytes:
+  if self.cachekey is not None and diskcache_get(self.cachekey, src) is not None: counts["compile hits"] += 1
+  return _compile_cached(self, src)
+Compiler.compile_cached = compile_cached
+counted("compiles here", Compiler, "compile_cached")
+counted("lower_and_compile", tinygrad.engine.realize, "lower_and_compile")
+counted("captures", engine.Jit, "__call__", when=lambda jit, *_: jit.cnt == 1)  # a Jit captures at its second call
+if Device.DEFAULT.split(":")[0] == "CUDA":
+  import tinygrad.runtime.ops_cuda
+  counted("module loads", tinygrad.runtime.ops_cuda.CUDAProgram, "__init__")
+for name, module, attr in [("model", zo, "make_model"), ("data", data, "load"), ("step", zo, "run"), ("update", optim.Optimizer, "step"),
+                           ("check", zo, "checked"), ("evaluation", zo, "val_loss"), ("save", zo, "save")]:
+  phase(name, module, attr)
+print(f"[{time.perf_counter() - T0:6.1f} s] imports", file=sys.stderr)
+try: zo.main(sys.argv[1:])
+finally: print(f"[{time.perf_counter() - T0:6.1f} s] end", file=sys.stderr)
