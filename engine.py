@@ -22,10 +22,11 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - JITs that free what they own until their next replay (Function.release),
 - the device's copy-in and copy-out for small arrays (tensor, read),
 - kernels lowered again in every process (LoweredOnDisk),
-- CUDA kernels compiled by the driver at every process's module loads (machine_code).
+- CUDA kernels compiled by the driver at every process's module loads (machine_code),
+- CUDA graphs destroyed after the CUDA library at exit (the atexit below).
 """
 from __future__ import annotations
-import contextlib, functools, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
+import atexit, contextlib, functools, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
 from typing import Any, Callable
 import numpy as np
 from tinygrad import Context, Tensor, Variable, dtypes
@@ -100,6 +101,11 @@ def cuda_renderer_init(self:CUDARenderer, target, use_nvcc:bool=False):
   _cuda_renderer_init(self, target, use_nvcc)
   if type(self.compiler) is NVRTCCompiler and self.compiler.ptx and target.device == "CUDA": self.compiler = machine_code(target.arch)
 CUDARenderer.__init__ = cuda_renderer_init
+
+# tinygrad 0.14's CUDA graphs call the CUDA library from __del__, which at the interpreter's exit runs after that library's module is
+# gone: every GPU run ended with "Exception ignored in CUDAGraph.__del__ ... 'NoneType' object has no attribute 'cuGraphDestroy'" on
+# stderr. The graphs are dropped while it is still there.
+atexit.register(graph_cache.clear)
 
 class Scratch:
   """One arena per device for the memory plans of every JIT. tinygrad plans a JIT's intermediates into an arena of its own: the ~45
