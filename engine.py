@@ -35,7 +35,7 @@ from tinygrad.dtype import _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, _TinyJit
 import tinygrad.codegen, tinygrad.engine.realize
 from tinygrad.engine.realize import graph_cache
-from tinygrad.helpers import JIT, diskcache_get, diskcache_put, getenv
+from tinygrad.helpers import DEBUG, JIT, Target, diskcache_get, diskcache_put, getenv
 from tinygrad.nn.state import get_parameters
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
@@ -74,7 +74,8 @@ class LoweredOnDisk(dict):
   IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code may change under one version), and a db that can't be read
   or written leaves it in memory, as tinygrad's own."""
   @staticmethod
-  def row(key:tuple) -> str: return hashlib.sha256(repr((tinygrad_settings(), key)).encode()).hexdigest()
+  def row(key:tuple) -> str:  # "cubin": CUDA's programs are machine code (machine_code), and rows of PTX from before are not found
+    return hashlib.sha256(repr((tinygrad_settings(), "cubin", key)).encode()).hexdigest()
   def get(self, key:tuple, default=None):
     if (prg := dict.get(self, key)) is None:
       try: prg = diskcache_get("zo_lowered", self.row(key))
@@ -94,13 +95,19 @@ if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE
 def machine_code(arch:str) -> NVRTCCompiler:
   """NVRTC compiling CUDA C to machine code (a cubin) for `arch`, instead of PTX. tinygrad 0.14 keeps PTX for its CUDA backend, and the
   driver compiles PTX to machine code at each module load: one kernel at a time, in the process, at every run that its own cache
-  (~/.nv/ComputeCache) has not seen. A cubin is compiled where tinygrad compiles (its pool of workers) and kept in its cache db."""
+  (~/.nv/ComputeCache) has not seen. A cubin is compiled where tinygrad compiles (its pool of workers) and kept in its cache db.
+  PTX stays under DEBUG>=5, where tinygrad prints it, and on a MOCK interface, which emulates PTX."""
   return NVRTCCompiler(arch, ptx=False, cache_key="cuda_sass")
 _cuda_renderer_init = CUDARenderer.__init__
-def cuda_renderer_init(self:CUDARenderer, target, use_nvcc:bool=False):
+def cuda_renderer_init(self:CUDARenderer, target:Target, use_nvcc:bool=False):
   _cuda_renderer_init(self, target, use_nvcc)
-  if type(self.compiler) is NVRTCCompiler and self.compiler.ptx and target.device == "CUDA": self.compiler = machine_code(target.arch)
-CUDARenderer.__init__ = cuda_renderer_init
+  if type(self.compiler) is NVRTCCompiler and self.compiler.ptx and target.device == "CUDA" and not target.interface.startswith("MOCK") \
+     and DEBUG < 5: self.compiler = machine_code(target.arch)
+def cuda_renderer_reduce(self:CUDARenderer) -> tuple:
+  # tinygrad pickles a renderer as its class and target for its pool of workers, fresh processes that never import this module and
+  # would build it with PTX again: the renderer goes with its compiler
+  return type(self), (self.target,), {"compiler": self.compiler}
+CUDARenderer.__init__, CUDARenderer.__reduce__ = cuda_renderer_init, cuda_renderer_reduce
 
 # tinygrad 0.14's CUDA graphs call the CUDA library from __del__, which at the interpreter's exit runs after that library's module is
 # gone: every GPU run ended with "Exception ignored in CUDAGraph.__del__ ... 'NoneType' object has no attribute 'cuGraphDestroy'" on

@@ -40,21 +40,17 @@ def phase(name:str, module, attr:str):
     Device[Device.DEFAULT].synchronize()
     if (calls := counts[name]) < 2:
       inside = ", ".join(f"{k} {counts[k] - c0[k]} in {seconds[k] - s0[k]:.1f} s" for k in counts if counts[k] > c0[k] and k in seconds)
-      hits = counts["compile hits"] - c0["compile hits"]
-      print(f"[{time.perf_counter() - T0:6.1f} s] {name}{' again' if calls else ''}: {time.perf_counter() - t:.2f} s; {inside}"
-            + (f"; compile cache hits {hits}" if hits else ""), file=sys.stderr, flush=True)
+      print(f"[{time.perf_counter() - T0:6.1f} s] {name}{' again' if calls else ''}: {time.perf_counter() - t:.2f} s; {inside}", file=sys.stderr,
+            flush=True)
     counts[name] += 1
     return r
   setattr(module, attr, timed)
 
-_compile_cached = Compiler.compile_cached
-def compile_cached(self, src:str) -> bytes:
-  if self.cachekey is not None and diskcache_get(self.cachekey, src) is not None: counts["compile hits"] += 1
-  return _compile_cached(self, src)
-Compiler.compile_cached = compile_cached
-counted("compiles here", Compiler, "compile_cached")
+def cached(compiler:Compiler, src:str) -> bool: return compiler.cachekey is not None and diskcache_get(compiler.cachekey, src) is not None
+counted("compile cache hits", Compiler, "compile_cached", when=cached)
+counted("compiles here", Compiler, "compile_cached", when=lambda compiler, src: not cached(compiler, src))
 counted("lower_and_compile", tinygrad.engine.realize, "lower_and_compile")
-counted("captures", engine.Jit, "__call__", when=lambda jit, *_: jit.cnt == 1)  # a Jit captures at its second call
+counted("captures", engine.Jit, "__call__", when=lambda jit, *_: jit.cnt == 1)  # its capture (engine.Jit: at its first call)
 if Device.DEFAULT.split(":")[0] == "CUDA":
   import tinygrad.runtime.ops_cuda
   counted("module loads", tinygrad.runtime.ops_cuda.CUDAProgram, "__init__")
