@@ -154,14 +154,16 @@ def run_row(preset:str, row:str, quick:bool, devices:int=1, cache:str|None=None,
   """One row in a process of its own; with --quick, in this one, so that the rows share their compiled kernels (on 2 CPU cores a
   process of its own spent 30-200 s compiling each row)."""
   if quick: return one_row("tiny", row, True, devices)
-  env = os.environ | ({"CACHEDB": cache} if cache else {}) | ({} if kernels else {"CUDA_KERNELS": "0"})
+  # cache: tinygrad's compile cache db, and beside it the CUDA driver's own cache (of PTX compiled to machine code)
+  env = os.environ | ({"CACHEDB": cache, "CUDA_CACHE_PATH": cache + ".cuda"} if cache else {}) | ({} if kernels else {"CUDA_KERNELS": "0"})
   cmd = [sys.executable, __file__, "--row", row, "--presets", preset, "--devices", str(devices)] + (["--quick"] if quick else [])
   r = subprocess.run(cmd, env=env, capture_output=True, text=True)
   if r.returncode: raise RuntimeError(f"{preset} {row}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
   return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("ROW "))[4:])
 
 def first_steps(preset:str, row:str, quick:bool) -> tuple[dict, float]:
-  """The row with an empty compile cache (its first step cold), and the first step of the row run again on that cache (warm)."""
+  """The row with empty compile caches, tinygrad's and the driver's (its first step cold, as on a new machine), and the first step of
+  the row run again on those caches (warm)."""
   with tempfile.TemporaryDirectory() as d:
     cold = run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))
     return cold, run_row(preset, row, quick, cache=os.path.join(d, "cache.db"))["first_s"]
