@@ -10,6 +10,7 @@ save) with its seconds and what it did inside them: JIT captures and their secon
 CUDA the module loads. Fresh CACHEDB and CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
 """
 import collections, os, sys, time
+from typing import Callable
 T0 = time.perf_counter()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tinygrad import Device
@@ -20,14 +21,14 @@ import data, engine, optim, zo
 
 seconds, counts = collections.Counter(), collections.Counter()
 
-def counted(what:str, cls, name:str, when=lambda *a: True):
-  """cls.name with its seconds added to seconds[what] and its calls to counts[what], the calls where when(*args) holds."""
+def counted(cls, name:str, what:Callable[..., str|None]):
+  """cls.name with its seconds and calls added to seconds[k] and counts[k], k = what(*args), the counter a call belongs to (None: none)."""
   fn = getattr(cls, name)
   def wrapped(*a, **kw):
-    if not when(*a): return fn(*a, **kw)
+    if (k := what(*a)) is None: return fn(*a, **kw)
     t = time.perf_counter()
     try: return fn(*a, **kw)
-    finally: seconds[what] += time.perf_counter() - t; counts[what] += 1
+    finally: seconds[k] += time.perf_counter() - t; counts[k] += 1
   setattr(cls, name, wrapped)
 
 def phase(name:str, module, attr:str):
@@ -46,14 +47,14 @@ def phase(name:str, module, attr:str):
     return r
   setattr(module, attr, timed)
 
-def cached(compiler:Compiler, src:str) -> bool: return compiler.cachekey is not None and diskcache_get(compiler.cachekey, src) is not None
-counted("compile cache hits", Compiler, "compile_cached", when=cached)
-counted("compiles here", Compiler, "compile_cached", when=lambda compiler, src: not cached(compiler, src))
-counted("lower_and_compile", tinygrad.engine.realize, "lower_and_compile")
-counted("captures", engine.Jit, "__call__", when=lambda jit, *_: jit.cnt == 1)  # its capture (engine.Jit: at its first call)
+def compile_kind(compiler:Compiler, src:str) -> str:  # a compile in this process, or a hit in the cache db: one lookup
+  return "compile cache hits" if compiler.cachekey is not None and diskcache_get(compiler.cachekey, src) is not None else "compiles here"
+counted(Compiler, "compile_cached", compile_kind)
+counted(tinygrad.engine.realize, "lower_and_compile", lambda *_: "lower_and_compile")
+counted(engine.Jit, "__call__", lambda jit, *_: "captures" if jit.cnt == 1 else None)  # its capture (engine.Jit: at its first call)
 if Device.DEFAULT.split(":")[0] == "CUDA":
   import tinygrad.runtime.ops_cuda
-  counted("module loads", tinygrad.runtime.ops_cuda.CUDAProgram, "__init__")
+  counted(tinygrad.runtime.ops_cuda.CUDAProgram, "__init__", lambda *_: "module loads")
 for name, module, attr in [("model", zo, "make_model"), ("data", data, "load"), ("step", zo, "run"), ("update", optim.Optimizer, "step"),
                            ("check", zo, "checked"), ("evaluation", zo, "val_loss"), ("save", zo, "save")]:
   phase(name, module, attr)
