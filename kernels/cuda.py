@@ -8,7 +8,6 @@ it the kernel's buffers), so backprop, the reference baseline, runs on them.
 from tinygrad import Device, Tensor
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
-from engine import machine_code
 
 # one warp's tensor-core primitives. A 16x16 half tile of A, or two 8-column tiles of B stored [n][k], is 4 8x8 matrices that
 # ldmatrix loads, each lane giving the address of one row of one matrix; mma.sync multiplies them, accumulating in float.
@@ -33,17 +32,14 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
 __device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2half2_rn(x, y); return *(unsigned *)&h; }
 """
 
-def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, arch:str|None=None,
-            outs:int=1):
+def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, outs:int=1):
   """A custom_kernel fxn: buffers 0 .. outs-1 are the outputs, the rest the inputs, in the order of the kernel's parameters. tinygrad
-  compiles the source for the device's own architecture (sm_90); `arch` compiles it here for another one instead: sm_90a, the only
-  target with Hopper's wgmma instructions. Either way to machine code (engine.machine_code)."""
+  compiles the source with its own kernels, as the renderer's compiler does (engine.nvrtc_for: machine code, for sm_90a on Hopper)."""
   def fxn(*_bufs:UOp) -> UOp:
     info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=tuple(range(outs)),
                        ins=tuple(range(outs, n_bufs)), target=Device[device].renderer.target)
     sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=flops, lds=nbytes, mem=nbytes)))
-    code = (UOp(Ops.SOURCE, arg=PRELUDE + src),) + ((UOp(Ops.BINARY, arg=machine_code(arch).compile_cached(PRELUDE + src)),) if arch else ())
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=())) + code, arg=info)
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=()), UOp(Ops.SOURCE, arg=PRELUDE + src)), arg=info)
   return fxn
 
 def operands(call:UOp) -> list[Tensor]:

@@ -272,7 +272,7 @@ def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=N
                                               RUN_ROWS=M // parts(noise[0]) if noise else 1, KEY="key" if noise else "nullptr",
                                               KEY_ARG=", const unsigned *__restrict__ key" if noise else "")
   fxn = program(x.device, name, src, (N // TILE[1], M // TILE[0]), 256, 3 + bool(dact) + bool(noise), 2 * M * N * K,
-                2 * (M * K + G * N * K + M * N), "sm_90a" if hopper else None)
+                2 * (M * K + G * N * K + M * N))
   # no .contiguous(): a custom kernel's inputs are realized anyway, and on a kernel's output (x, often) it would be a copy
   out, extra = Tensor.empty(M, N, dtype=dtypes.half, device=x.device), ([dact[1]] if dact else []) + ([noise[0].cast(dtypes.uint32)] if noise else [])
   plain = G == 1 and not (dact or noise or nmajor)  # the forward's kernel, which backprop differentiates

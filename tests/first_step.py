@@ -20,6 +20,7 @@ import tinygrad.engine.realize
 import data, engine, optim, zo
 
 seconds, counts = collections.Counter(), collections.Counter()
+batches:list[tuple[float, int]] = []  # each lower_and_compile call's seconds and the kernels it added to tinygrad's cache of programs
 
 def counted(cls, name:str, what:Callable[..., str|None]):
   """cls.name with its seconds and calls added to seconds[k] and counts[k], k = what(*args), the counter a call belongs to (None: none)."""
@@ -41,6 +42,9 @@ def phase(name:str, module, attr:str):
     Device[Device.DEFAULT].synchronize()
     if (calls := counts[name]) < 2:
       inside = ", ".join(f"{k} {counts[k] - c0[k]} in {seconds[k] - s0[k]:.1f} s" for k in counts if counts[k] > c0[k] and k in seconds)
+      # the calls compile one after another, each in parallel: the slowest kernel of each bounds the phase
+      if mine := sorted((b for b in batches[c0["lower_and_compile"]:] if b[1]), reverse=True):
+        inside += f"; kernels {sum(n for _, n in mine)}, the slowest calls (s/kernels) " + " ".join(f"{s:.1f}/{n}" for s, n in mine[:8])
       print(f"[{time.perf_counter() - T0:6.1f} s] {name}{' again' if calls else ''}: {time.perf_counter() - t:.2f} s; {inside}", file=sys.stderr,
             flush=True)
     counts[name] += 1
@@ -51,6 +55,12 @@ def compile_kind(compiler:Compiler, src:str) -> str:  # a compile in this proces
   return "compile cache hits" if compiler.cachekey is not None and diskcache_get(compiler.cachekey, src) is not None else "compiles here"
 counted(Compiler, "compile_cached", compile_kind)
 counted(tinygrad.engine.realize, "lower_and_compile", lambda *_: "lower_and_compile")
+def batch(linear):
+  cache, t = tinygrad.engine.realize.to_program_cache, time.perf_counter()
+  n = len(cache)
+  try: return lower_and_compile(linear)
+  finally: batches.append((time.perf_counter() - t, len(cache) - n))
+lower_and_compile, tinygrad.engine.realize.lower_and_compile = tinygrad.engine.realize.lower_and_compile, batch
 counted(engine.Jit, "__call__", lambda jit, *_: "captures" if jit.cnt == 1 else None)  # its capture (engine.Jit: at its first call)
 if Device.DEFAULT.split(":")[0] == "CUDA":
   import tinygrad.runtime.ops_cuda
