@@ -6,8 +6,9 @@ r"""Where a run's first seconds go: zo.py's training loop with each phase of its
 
 takes zo.py's flags and prints, on stderr, each phase (the model, the data, the step, the update, the check, the evaluation, the
 save) with its seconds and what it did inside them: JIT captures and their seconds, `lower_and_compile` calls and their seconds
-(tinygrad's lowering and compiling, in its pool of workers), compiles in this process (zo's sm_90a kernels) and cache hits, and on
-CUDA the module loads. Fresh CACHEDB and CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
+(tinygrad's lowering and compiling of a capture's new kernels, in its pool of workers) with the kernels and the slowest calls,
+compiles in this process (a batch of one kernel) and cache hits, and on CUDA the module loads. Fresh CACHEDB and CUDA_CACHE_PATH
+(the driver's cache) make a cold run, as on a new machine.
 """
 import collections, os, sys, time
 from typing import Callable
