@@ -323,8 +323,8 @@ def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:st
   shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
   a = NOISES[noise](fold(k, 0), shape).reshape(n * B, *shape[1:])
   score = (att.delta(kind, a, sigma, n) * tile(target.reshape(B, T, H, hd), n)).sum(-1)  # [n B, T, H]
-  # R realized: for the gate (no head dim), tinygrad fused the credit matmul into the sum over draws below, a kernel that took 9.7 s to
-  # lower and compile, each of the two times, against 1.8 s and 0.8 s for the two kernels now (the H200's kernels on 2 CPU cores)
+  # R realized: for the gate (no head dim), tinygrad fused the credit matmul into the sum over draws below, a kernel that took 9.7 and
+  # 8.4 s to lower and compile at the two windows, against 1.8 and 0.8 s for the two kernels now (the H200's kernels on 2 CPU cores)
   R = score if kind == "q" else (credit(T, att.window, gamma) @ score).contiguous()
   return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(n, B, T, -1).sum(0) / divisor]
 

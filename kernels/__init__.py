@@ -33,6 +33,7 @@ from tinygrad import Device
 from tinygrad.helpers import ContextVar
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.uop.ops import Ops
+import engine  # noqa: F401  before any renderer is built: engine has the CUDA renderer compile Hopper's kernels for sm_90a (wgmma)
 
 CUDA_KERNELS = ContextVar("CUDA_KERNELS", 1)  # the switch: CUDA_KERNELS=0 runs tinygrad's own kernels everywhere
 
@@ -45,6 +46,12 @@ def cuda_kernels(device:str) -> bool:
   """Whether zo's CUDA kernels run on `device` (for the shapes they take): an NVIDIA GPU of sm_80 or later, with the switch on."""
   return bool(CUDA_KERNELS) and sm(device) >= 80
 
+def wgmma(device:str) -> bool:
+  """Whether the GEMMs run on Hopper's wgmma on `device`: an sm_90 GPU whose kernels compile for sm_90a, the only target with wgmma
+  (engine.nvrtc_for), whose code doesn't run on later GPUs (sm_100, sm_120). A renderer built before engine was imported, or NVCC's,
+  compiles for sm_90, and takes the mma.sync kernel."""
+  return sm(device) == 90 and getattr(Device[device].renderer.compiler, "arch", None) == "sm_90a"
+
 def native_sin(device:str) -> bool: return Ops.SIN in Device[device].renderer.code_for_op  # the noise's cosine: the backend's own?
 def batches_chunks(device:str) -> bool: return device.split(":")[0] != "CPU"  # Dust's chunks: many a JIT call, or one?
 def writes_exps(device:str) -> bool: return device.split(":")[0] == "CPU"  # a sum of exps: the exps written, then summed?
@@ -53,7 +60,7 @@ def path(device:str) -> str:
   """Which implementation runs on `device`, in one line: what a run prints first."""
   name = device.split(":")[0]
   if cuda_kernels(device):
-    return f"{name} sm_{sm(device)}: zo's CUDA kernels for GEMM ({'wgmma' if sm(device) == 90 else 'mma.sync'}), attention, norms, loss, " \
+    return f"{name} sm_{sm(device)}: zo's CUDA kernels for GEMM ({'wgmma' if wgmma(device) else 'mma.sync'}), attention, norms, loss, " \
            "the jitter and backprop's gradients and update; tinygrad's for the rest"
   why = "" if sm(device) < 80 else " (CUDA_KERNELS=0)"
   return f"{name}: tinygrad's kernels{why}, the noise fused into them" + ("" if native_sin(device) else ", its cosine as a polynomial")

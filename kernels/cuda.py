@@ -34,7 +34,8 @@ __device__ __forceinline__ unsigned pack(float x, float y) { half2 h = __floats2
 
 def program(device:str, name:str, src:str, grid:tuple[int, ...], threads:int, n_bufs:int, flops:int, nbytes:int, outs:int=1):
   """A custom_kernel fxn: buffers 0 .. outs-1 are the outputs, the rest the inputs, in the order of the kernel's parameters. tinygrad
-  compiles the source with its own kernels, as the renderer's compiler does (engine.nvrtc_for: machine code, for sm_90a on Hopper)."""
+  compiles the source as it compiles its own kernels, with the renderer's compiler (which engine makes emit machine code, for sm_90a
+  on Hopper: engine.nvrtc_for)."""
   def fxn(*_bufs:UOp) -> UOp:
     info = ProgramInfo(name, (*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), globals=tuple(range(n_bufs)), outs=tuple(range(outs)),
                        ins=tuple(range(outs, n_bufs)), target=Device[device].renderer.target)

@@ -28,7 +28,7 @@ import functools
 from typing import Callable
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp
-from kernels import cuda_kernels, sm
+from kernels import cuda_kernels, wgmma
 from kernels.cuda import operands, program
 from kernels.jitter import NOISE, jitter, literal, parts, tag
 
@@ -250,9 +250,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) {NAME}(float *__restrict__ 
 }}
 """
 SPLIT = 256  # blocks that fill an H200 (132 SMs, two blocks each): the tokens are split in halves until a weight's tiles reach it
-
-def wgmma(device:str) -> bool:  # Hopper exactly: code for sm_90a, the target with wgmma, doesn't run on later GPUs (sm_100, sm_120)
-  return sm(device) == 90
 
 def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=None, noise:tuple[Tensor, float]|None=None,
            nmajor:bool=False) -> Tensor:

@@ -6,9 +6,9 @@ r"""Where a run's first seconds go: zo.py's training loop with each phase of its
 
 takes zo.py's flags and prints, on stderr, each phase (the model, the data, the step, the update, the check, the evaluation, the
 save) with its seconds and what it did inside them: JIT captures and their seconds, `lower_and_compile` calls and their seconds
-(tinygrad's lowering and compiling of a capture's new kernels, in its pool of workers) with the kernels and the slowest calls,
-compiles in this process (a batch of one kernel) and cache hits, and on CUDA the module loads. Fresh CACHEDB and CUDA_CACHE_PATH
-(the driver's cache) make a cold run, as on a new machine.
+(tinygrad's lowering and compiling of a capture's new kernels, in its pool of workers) with the programs new to the process
+(lowered, or read from the db) and the slowest calls, compiles in this process (a batch of one kernel) and cache hits, and on CUDA
+the module loads. Fresh CACHEDB and CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
 """
 import collections, os, sys, time
 from typing import Callable
@@ -21,7 +21,7 @@ import tinygrad.engine.realize
 import data, engine, optim, zo
 
 seconds, counts = collections.Counter(), collections.Counter()
-batches:list[tuple[float, int]] = []  # each lower_and_compile call's seconds and the kernels it added to tinygrad's cache of programs
+batches:list[tuple[float, int]] = []  # each lower_and_compile call's seconds and the programs new to the process: lowered, or read from the db
 
 def counted(cls, name:str, what:Callable[..., str|None]):
   """cls.name with its seconds and calls added to seconds[k] and counts[k], k = what(*args), the counter a call belongs to (None: none)."""
@@ -45,7 +45,7 @@ def phase(name:str, module, attr:str):
       inside = ", ".join(f"{k} {counts[k] - c0[k]} in {seconds[k] - s0[k]:.1f} s" for k in counts if counts[k] > c0[k] and k in seconds)
       # the calls compile one after another, each in parallel: the slowest kernel of each bounds the phase
       if mine := sorted((b for b in batches[c0["lower_and_compile"]:] if b[1]), reverse=True):
-        inside += f"; kernels {sum(n for _, n in mine)}, the slowest calls (s/kernels) " + " ".join(f"{s:.1f}/{n}" for s, n in mine[:8])
+        inside += f"; new programs {sum(n for _, n in mine)}, the slowest calls (s/programs) " + " ".join(f"{s:.1f}/{n}" for s, n in mine[:8])
       print(f"[{time.perf_counter() - T0:6.1f} s] {name}{' again' if calls else ''}: {time.perf_counter() - t:.2f} s; {inside}", file=sys.stderr,
             flush=True)
     counts[name] += 1

@@ -114,6 +114,13 @@ names = [re.sub(r"\\x1b\\[[0-9;]*m", "", line).split()[3] for line in out.getval
 print(len(opt.opts), sorted(Counter("sgd" if n.startswith("sgd_") else "other" for n in names).items()))
 """
 
+EARLY = """
+from tinygrad import Device, Tensor, dtypes
+Device[Device.DEFAULT].renderer  # built before engine could make its compiler target sm_90a
+from kernels.matmul import linear, wgmma
+print(wgmma(Device.DEFAULT), linear(Tensor.empty(128, 512, dtype=dtypes.half), Tensor.empty(512, 512)).realize().shape)
+"""
+
 MACHINE_CODE = """
 from operator import attrgetter
 import engine
@@ -216,10 +223,16 @@ def test_norm(add:bool):
 def test_machine_code():
   # with zo's engine imported, tinygrad's CUDA renderer compiles to machine code (a cubin, an ELF file), not to PTX ("//" comments
   # first), which the driver would compile again at each module load of a run; in tinygrad's pool of workers too, fresh processes
-  # that build the renderer from its pickle without importing engine
   # that build the renderer from its pickle without importing engine; on Hopper for sm_90a, so that zo's wgmma kernels compile there too
   r = run("CUDA", MACHINE_CODE)
   assert r.returncode == 0 and r.stdout.strip() == str(b"\x7fELF") + " [(False, 'sm_90a')]", r.stderr[-3000:]
+
+@pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
+def test_wgmma_needs_sm_90a():
+  # a renderer built before engine was imported compiles for sm_90, which has no wgmma: the GEMM takes the mma.sync kernel and
+  # compiles, where choosing wgmma there failed in ptxas ("wgmma.wait_group not supported on .target sm_90")
+  r = run("CUDA", EARLY)
+  assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "False (128, 512)", r.stderr[-3000:]
 
 @pytest.mark.skipif(not nvrtc(), reason="needs pip's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (.ci/run installs them)")
 def test_jittered_for_the_h200():
