@@ -55,12 +55,13 @@ def phase(name:str, module, attr:str):
 def compile_kind(compiler:Compiler, src:str) -> str:  # a compile in this process, or a hit in the cache db: one lookup
   return "compile cache hits" if compiler.cachekey is not None and diskcache_get(compiler.cachekey, src) is not None else "compiles here"
 counted(Compiler, "compile_cached", compile_kind)
-counted(tinygrad.engine.realize, "lower_and_compile", lambda *_: "lower_and_compile")
-def batch(linear):
+def batch(linear):  # one lower_and_compile call, counted as `counted` counts, and kept in `batches` with the programs it added
   cache, t = tinygrad.engine.realize.to_program_cache, time.perf_counter()
   n = len(cache)
   try: return lower_and_compile(linear)
-  finally: batches.append((time.perf_counter() - t, len(cache) - n))
+  finally:
+    batches.append((time.perf_counter() - t, len(cache) - n))
+    seconds["lower_and_compile"] += batches[-1][0]; counts["lower_and_compile"] += 1
 lower_and_compile, tinygrad.engine.realize.lower_and_compile = tinygrad.engine.realize.lower_and_compile, batch
 counted(engine.Jit, "__call__", lambda jit, *_: "captures" if jit.cnt == 1 else None)  # its capture (engine.Jit: at its first call)
 if Device.DEFAULT.split(":")[0] == "CUDA":
