@@ -153,16 +153,13 @@ def keyed(model, c:Tensor, key:Tensor, group, block, *inputs, chunk:Callable[...
   return chunk(model, keys if unit is None else keys.reshape(-1, unit, 2), *inputs, **static)
 
 def mean_of(chunk:Callable[..., list[Tensor]], model, shapes:list[tuple[int, ...]], draws:Draws, tokens:int, *inputs,
-            unit:int|None=None, fixed_size:bool=False, **static) -> list[Tensor]:
+            unit:int|None=None, **static) -> list[Tensor]:
   """The mean per draw of chunk(model, keys, *inputs, **static) over the draws' chunks, of `tokens` tokens and `nrep` draws each (one
   without an nrep): G chunks a call (or G runs of `unit` chunks), G the most that divide the runs and hold at most TOKENS tokens on a
-  GPU (one on the CPU); or, `fixed_size`, G the most that hold TOKENS whatever the runs, and the rest one a call (engine.calls), so
-  that the blocks of a group, whose chunk counts differ, share their kernels. The weights are no input: the JIT reads them from the
-  model, where the optimizer updates them in place."""
+  GPU (one on the CPU). The weights are no input: the JIT reads them from the model, where the optimizer updates them in place."""
   n = len(draws.chunks) // (unit or 1)
   K = static.get("nrep", 1) * n  # the draws behind each estimate (the head's: each slab gets one chunk of a cycle of `unit`)
-  most = TOKENS if batches_chunks(draws.key.device) else 0
-  G = max(1, most // tokens) if fixed_size else engine.per_call(n, tokens, most)
+  G = engine.per_call(n, tokens, TOKENS if batches_chunks(draws.key.device) else 0)
   return engine.mean(keyed, model, draws.key, GROUP.bind(draws.group), BLOCK.bind(draws.block), *inputs, chunks=draws.chunks,
                      per_call=G * (unit or 1), count=K, shapes=shapes, chunk=chunk, unit=unit, noise=draws.noise, **static)
 
@@ -186,7 +183,7 @@ def direct(model, x:Tensor, y:Tensor, rec:dict[str, Tensor], sites:tuple[str, ..
   B, T = y.shape[:2]
   outs = tuple((j, d, rec[recorded(model, sites[j], d)].shape[-1]) for j in range(len(sites)) for d in depths)
   stream = model.rerun_stream(rec, sites) if rerun == "block" else {}
-  E = mean_of(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream, fixed_size=True,
+  E = mean_of(direct_chunk, model, [(B, T, w) for _, _, w in outs], draws, nrep * B * T, x, y, stream,
               sites=sites, sigma=sigma, nrep=nrep, outs=outs, rerun=rerun, gamma=gamma)
   return {recorded(model, sites[j], d): e for (j, d, _), e in zip(outs, E)}
 

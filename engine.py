@@ -346,21 +346,13 @@ def stacked(owner, start:UOp, *args, fn:Callable, per_call:int, offset:int, **st
   rows = fn(owner, index(start, per_call) + offset, *inputs, **static)
   out.shrink(((start, start + per_call),) + ((None,) * (out.ndim - 1))).assign(rows).realize()
 
-def calls(items:range, per_call:int) -> list[tuple[int, int]]:
-  """(start, size) of the JIT calls that run the items: per_call at a time, then the rest one at a time. So a function has at most two
-  shapes whatever the count, and groups whose counts differ (Dust's blocks) share their kernels: a cold small-preset Dust step lowers
-  218 kernels so, and 311 with a size for each count, the most that divide it (docs/performance.md)."""
-  full = items.start + len(items) // per_call * per_call
-  return [(s, per_call) for s in range(items.start, full, per_call)] + [(s, 1) for s in range(full, items.stop)]
-
 def stack(fn:Callable, owner, /, *inputs, items:range, per_call:int, shape:tuple[int, ...], **static) -> Tensor:
-  """[len(items), *shape]: fn(owner, index, *inputs, **static) -> [n, *shape] for the items' chunks (index: n item numbers, an int
-  tensor; n per_call or one, `calls`), stacked. One JIT for each n, its start a bound Variable, writing its rows of a buffer of this
-  call's own."""
+  """[len(items), *shape]: fn(owner, index, *inputs, **static) -> [per_call, *shape] for the items' chunks (index: per_call item numbers,
+  an int tensor), stacked. One JIT for every chunk, its start a bound Variable, writing its rows of a buffer of this call's own."""
   device = next(t.device for t in inputs if isinstance(t, Tensor))
   out = empty(len(items), *shape, device=device)
-  for start, n in calls(range(len(items)), per_call):
-    jit(stacked, owner, fn=fn, per_call=n, offset=items.start, **static)(START.bind(start), *inputs, out)
+  f = jit(stacked, owner, fn=fn, per_call=per_call, offset=items.start, **static)
+  for start in range(0, len(items), per_call): f(START.bind(start), *inputs, out)
   return out
 
 def summed(owner, start:UOp, first:UOp, count:UOp, *args, fn:Callable, per_call:int, **static) -> None:
@@ -373,18 +365,19 @@ _sums:dict[tuple, list[Tensor]] = {}
 
 def mean(fn:Callable, owner, /, *inputs, chunks:range, per_call:int, count:int, shapes:list[tuple[int, ...]], **static) -> list[Tensor]:
   """(1/count) Σ over the chunks of fn(owner, index, *inputs, **static), a list of sums of the given shapes over the chunks `index`
-  (n chunk numbers, an int tensor; n per_call or one, `calls`): one JIT for each n, its first chunk, whether it is the first call and
-  the count bound Variables, adding into buffers that the next call with the same function and the same bound Variables among the
-  inputs (Dust's group and block) writes again: copy what must outlive it. New buffers at every call cost a step's worth of sums
-  more memory, as each JIT's graph holds its last call's inputs until its next call (the small preset's Dust pop 1024: a peak of
-  1254.7 MiB against 1006.5, NULL device with the CUDA renderer). The means are those buffers, not a lazy division of them: a JIT
-  that read ~45 divisions would realize them first, 40 ms of a small-preset Dust update's 200 ms of host time (NULL device)."""
+  (per_call chunk numbers, an int tensor): one JIT for every call, its first chunk, whether it is the first call and the count bound
+  Variables, adding into buffers that the next call with the same function and the same bound Variables among the inputs (Dust's
+  group and block) writes again: copy what must outlive it. New buffers at every call cost a step's worth of sums more memory, as
+  each JIT's graph holds its last call's inputs until its next call (the small preset's Dust pop 1024: a peak of 1254.7 MiB against
+  1006.5, NULL device with the CUDA renderer). The means are those buffers, not a lazy division of them: a JIT that read ~45 divisions
+  would realize them first, 40 ms of a small-preset Dust update's 200 ms of host time (NULL device)."""
   device = next(t.device for t in inputs if isinstance(t, Tensor))
   where = tuple(v.unbind() for v in inputs if isinstance(v, UOp))
   k = (fn, id(owner), device, tuple(map(tuple, shapes)), per_call, tuple(sorted(static.items())), where)
   if (sums := _sums.get(k)) is None: sums = _sums[k] = [empty(*s, device=device) for s in shapes]
-  for i, (start, n) in enumerate(calls(chunks, per_call)):
-    jit(summed, owner, fn=fn, per_call=n, **static)(START.bind(start), FIRST.bind(int(i == 0)), COUNT.bind(count), *inputs, sums)
+  f = jit(summed, owner, fn=fn, per_call=per_call, **static)
+  for i, start in enumerate(range(chunks.start, chunks.stop, per_call)):
+    f(START.bind(start), FIRST.bind(int(i == 0)), COUNT.bind(count), *inputs, sums)
   return sums
 
 def per_call(n:int, tokens:int, most:int) -> int:

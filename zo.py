@@ -192,8 +192,8 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
   except (ValueError, KeyError, TypeError): return math.inf
 
 def squares(loss:Tensor, named:dict[str, Tensor]) -> Tensor:
-  # each sum a kernel of its own: fused, the small preset's 46 sums were one kernel that took 2.2 s to lower and compile for the GPU
-  # (2 CPU cores), and bounded its batch of a cold first step (H100: 3.3 s); the slowest of the 7 kernels now takes 0.28 s
+  # each sum realized on its own: tinygrad fused the small preset's 46 sums into a kernel that took 2.2 s to lower and compile for the
+  # GPU (2 CPU cores) and bounded its batch of a cold first step (H100: 3.3 s); the slowest of the 7 programs now takes 0.28 s
   return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum().contiguous() for t in named.values()])
 
 def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:

@@ -160,12 +160,10 @@ def test_estimate_pinned(setup):
   assert np.all(np.abs(np.array(proj) - PIN_PROJ) <= 1e-4 * np.array(PIN_NORM)), (proj, PIN_PROJ)
 
 def test_chunks_per_call_leave_the_estimate(setup, monkeypatch):
-  # G chunks a call, as on a GPU (the CPU runs one): a call that gave two chunks one key, lost one, or summed one twice changes it.
-  # Three chunks' tokens a call: the direct draws' 7 and 4 chunks run 3 a call and the rest one a call, the others G dividing theirs.
+  # G chunks a call, as on a GPU (the CPU runs one): a call that gave two chunks one key, lost one, or summed one twice changes it
   model, x, y, _ = setup
   one = estimate(setup, 64, 1)
   monkeypatch.setattr(dust, "batches_chunks", lambda device: True)
-  monkeypatch.setattr(dust, "TOKENS", 3 * 2 * B * T)  # 2 draws a chunk at pop 64
   batched = estimators.estimate(model, x, y, "dust", 64, 1)
   for n, g in batched.items(): np.testing.assert_allclose(g.numpy(), one[n], rtol=1e-4, atol=1e-6 * np.abs(one[n]).max(), err_msg=n)
 

