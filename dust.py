@@ -261,21 +261,22 @@ def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i ha
   return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
 
 class CleanAttention:
-  """The clean attention at depth i, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and
+  """The clean attention at a depth, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and
   the gate's logits z, the value embedding e); and what the draws read besides (kernels/attention.prepare). A draw recomputes only
   this attention, never the network: for q and k, o' - o (kernels/attention.moved); for v, gate and ve, which move only u, p du
-  (kernels/attention.mixed). Depth i is block i of the GPT, loop i of the looped model. `t` holds the tensors, so that a JIT can
-  take them as inputs."""
-  def __init__(self, model, i:int, t:dict[str, Tensor]): self.model, self.i, self.window, self.t = model, i, model.window(i), t
+  (kernels/attention.mixed). Depth i is block i of the GPT, loop i of the looped model. Nothing in it depends on the depth but the
+  attention's window, so its JITs are keyed by the window: depths with the same window share their captures. `t` holds the tensors,
+  so that a JIT can take them as inputs."""
+  def __init__(self, model, window:int, t:dict[str, Tensor]): self.model, self.window, self.t = model, window, t
 
   @classmethod
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
-    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT per depth that lives across steps: eagerly, the
-    graphs of the 8 depths cost about as much host time as the clean capture's (see Worker). Its tensors are the JIT's outputs,
-    which `jit.release()` frees when the depth is done."""
+    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT that lives across steps: eagerly, the graphs of
+    the 8 depths cost about as much host time as the clean capture's (see Worker). Its tensors are the JIT's outputs, which the next
+    depth with its window writes again and `jit.release()` frees when the depth is done."""
     records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in local_kinds(model, i)}
-    jit = engine.jit(clean_attention, model, depth=i)
-    att = cls(model, i, jit(records))
+    jit = engine.jit(clean_attention, model, window=model.window(i))
+    att = cls(model, model.window(i), jit(records))
     att.jit = jit
     return att
 
@@ -292,10 +293,10 @@ class CleanAttention:
           "gate": lambda: (gate(z + sigma * a) - gate(z - sigma * a)).unsqueeze(-1) * e}[kind]()
     return mixed(t, du, self.window)
 
-def clean_attention(model, records:dict[str, Tensor], depth:int) -> dict[str, Tensor]:
+def clean_attention(model, records:dict[str, Tensor], window:int) -> dict[str, Tensor]:
   """CleanAttention's tensors at a depth, from the clean pass's records of q, k, v (and gate, ve). Run as a JIT, from copies of the
   records: its outputs must own their buffers, as a view of an input would show the input of the call that the JIT captured."""
-  att, r = CleanAttention(model, depth, {}), {kind: t.float().clone() for kind, t in records.items()}
+  att, r = CleanAttention(model, window, {}), {kind: t.float().clone() for kind, t in records.items()}
   t = {kind: att.heads(r[kind]) for kind in ("q", "k")}
   u = att.heads(r["v"])
   if "ve" in r: t["z"], t["e"] = r["gate"], att.heads(r["ve"])
@@ -313,12 +314,12 @@ def local_error(att:CleanAttention, kind:str, target:Tensor, sigma:float, gamma:
   centring); q keeps its own token's score, the others a discounted sum over later outputs. Returns [B, T, H*hd] or [B, T, H]."""
   B, T, H, hd = att.t["q"].shape
   return mean_of(local_chunk, att.model, [(B, T, H if kind == "gate" else H * hd)], draws, nrep * B * T, att.t, target.realize(),
-                 kind=kind, depth=att.i, sigma=sigma, gamma=gamma, nrep=nrep)[0]
+                 kind=kind, window=att.window, sigma=sigma, gamma=gamma, nrep=nrep)[0]
 
-def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, depth:int, sigma:float, gamma:float, nrep:int,
+def local_chunk(model, k:Tensor, clean:dict[str, Tensor], target:Tensor, kind:str, window:int, sigma:float, gamma:float, nrep:int,
                 noise:str) -> list[Tensor]:
   """G chunks of `local_error` (k: their keys [G, 2]), n = G nrep draws in all, one per copy of the batch."""
-  att, n = CleanAttention(model, depth, clean), k.shape[0] * nrep
+  att, n = CleanAttention(model, window, clean), k.shape[0] * nrep
   B, T, H, hd = clean["q"].shape
   shape, divisor = ((nrep * B, T, H), 2 * sigma) if kind == "gate" else ((nrep * B, T, H, hd), sigma)  # the gate is two-sided
   a = NOISES[noise](fold(k, 0), shape).reshape(n * B, *shape[1:])

@@ -251,7 +251,7 @@ def test_head_exact(setup):
                              rtol=1e-4, atol=1e-6)
 
 def test_clean_attention_follows_its_records():
-  """The attention capture is a JIT per depth that lives across steps, its memory freed after use: at every call (the capture, the
+  """The attention capture is a JIT per window that lives across steps, its memory freed after use: at every call (the capture, the
   replays) its tensors must come from the records passed then, not from those of the call it captured (which an output that is a
   view of an input would show), and survive the release and re-allocation. A fresh model copy (its first call, a capture of these
   very records) is the reference."""
@@ -378,6 +378,22 @@ def test_looped_no_autograd(looped, monkeypatch):
   g, model = estimate(looped, 64, 1), looped[0]
   assert g.keys() == model.params.keys() and all(g[n].shape == p.shape and np.isfinite(g[n]).all() for n, p in model.params.items())
   assert all(np.abs(g[n]).sum() > 0 for n in g), "every parameter gets an estimate"
+
+def test_depths_share_their_attention_jits(looped):
+  """Every loop of the looped model has the same window, so all of them share CleanAttention's JIT and the local draws' JITs: at each
+  depth a replay must read that depth's records and target, not those of the depth it was captured at. A fresh model copy at each
+  depth (its own JITs, captured on that depth's inputs) is the reference: the same kernels, so the same numbers."""
+  model, x, y, _ = looped
+  _, rec = model.capture(x, y)
+  rng = np.random.default_rng(2)
+  for i in range(model.n_blocks):
+    target, out = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), []
+    for m in (model, copy.copy(model)):
+      att = dust.CleanAttention.capture(m, rec, i)
+      draws = dust.Draws(key(4), dust.GROUPS.index("k"), i, range(2))
+      out.append({kind: dust.local_error(att, kind, target, 0.05, 0.98, draws, 2).numpy() for kind in dust.local_kinds(m, i)})
+      att.jit.release()
+    for kind in out[1]: np.testing.assert_array_equal(out[0][kind], out[1][kind], err_msg=f"depth {i}, {kind}")
 
 def test_looped_cosine_rises_with_population(looped):
   """The tied block's gradient sums each loop's outer product (error regressed on that loop's noise, times that loop's input):
