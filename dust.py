@@ -264,16 +264,17 @@ class CleanAttention:
   """The clean attention at a depth, heads split, tokens first: raw q, k [B, T, H, hd]; processed q^, k^, values u = v + gate e (and
   the gate's logits z, the value embedding e); and what the draws read besides (kernels/attention.prepare). A draw recomputes only
   this attention, never the network: for q and k, o' - o (kernels/attention.moved); for v, gate and ve, which move only u, p du
-  (kernels/attention.mixed). Depth i is block i of the GPT, loop i of the looped model. Nothing in it depends on the depth but the
-  attention's window, so its JITs are keyed by the window: depths with the same window share their captures. `t` holds the tensors,
+  (kernels/attention.mixed). Nothing in it depends on the depth but the attention's window and which records it has (gate and ve
+  where the depth has value embeddings): its JITs are keyed by both, so depths alike share their captures. `t` holds the tensors,
   so that a JIT can take them as inputs."""
   def __init__(self, model, window:int, t:dict[str, Tensor]): self.model, self.window, self.t = model, window, t
 
   @classmethod
   def capture(cls, model, rec:dict[str, Tensor], i:int) -> CleanAttention:
-    """From the clean pass's records of q, k, v (and gate, ve) at depth i, as a JIT that lives across steps: eagerly, the graphs of
-    the 8 depths cost about as much host time as the clean capture's (see Worker). Its tensors are the JIT's outputs, which the next
-    depth with its window writes again and `jit.release()` frees when the depth is done."""
+    """From the clean pass's records of q, k, v (and gate, ve) at depth i (block i of the GPT, loop i of the looped model), as a JIT
+    that lives across steps: eagerly, the graphs of the 8 depths cost about as much host time as the clean capture's (see Worker).
+    Its tensors are the JIT's outputs, which the next depth with the same window and records writes again, and `jit.release()` frees
+    when the depth is done: nothing may keep them past their depth."""
     records = {kind: rec[recorded(model, error_site(kind, model.pblock(i)), i)] for kind in local_kinds(model, i)}
     jit = engine.jit(clean_attention, model, window=model.window(i))
     att = cls(model, model.window(i), jit(records))

@@ -9,7 +9,7 @@ from kernels import flash
 from kernels.loss import cross_entropy
 from kernels.noise import gaussian, key, runs
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import dust, estimators
+import dust, engine, estimators
 
 B, T = 4, 16
 TYPES = {"c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj", "attn.c_proj": "attn.c_proj", "q": "attn.c_q", "k": "attn.c_k", "v": "attn.c_v",
@@ -379,20 +379,28 @@ def test_looped_no_autograd(looped, monkeypatch):
   assert g.keys() == model.params.keys() and all(g[n].shape == p.shape and np.isfinite(g[n]).all() for n, p in model.params.items())
   assert all(np.abs(g[n]).sum() > 0 for n in g), "every parameter gets an estimate"
 
-def test_depths_share_their_attention_jits(looped):
-  """Every loop of the looped model has the same window, so all of them share CleanAttention's JIT and the local draws' JITs: at each
-  depth a replay must read that depth's records and target, not those of the depth it was captured at. A fresh model copy at each
-  depth (its own JITs, captured on that depth's inputs) is the reference: the same kernels, so the same numbers."""
+@pytest.mark.parametrize("which", ["looped", "gpt"])
+def test_depths_share_their_attention_jits(which:str, looped):
+  """Depths with the same window and the same records share CleanAttention's JIT and the local draws' JITs: every loop of the looped
+  model; in a 6-block GPT (the small preset's pattern: windows S S S L S L, value embeddings on blocks 1, 3, 5) blocks 0, 2, 4 and
+  blocks 3, 5, while blocks 1 and 3 differ only in their window. At each depth a replay must read that depth's records and target,
+  not those of the depth it was captured at, and a depth like one seen before must capture nothing. A fresh model copy at each depth
+  (its own JITs, captured on that depth's inputs) is the reference: the same kernels, so the same numbers."""
   model, x, y, _ = looped
+  if which == "gpt": model = GPT(GPTConfig.preset("tiny", seq_len=T, n_layer=6), seed=0)
   _, rec = model.capture(x, y)
-  rng = np.random.default_rng(2)
+  rng, seen = np.random.default_rng(2), set()
   for i in range(model.n_blocks):
     target, out = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), []
+    like = (model.window(i), tuple(dust.local_kinds(model, i)))
     for m in (model, copy.copy(model)):
+      jits = len(engine._jits)
       att = dust.CleanAttention.capture(m, rec, i)
       draws = dust.Draws(key(4), dust.GROUPS.index("k"), i, range(2))
       out.append({kind: dust.local_error(att, kind, target, 0.05, 0.98, draws, 2).numpy() for kind in dust.local_kinds(m, i)})
       att.jit.release()
+      if m is model: assert like not in seen or len(engine._jits) == jits, f"depth {i} captured again"
+    seen.add(like)
     for kind in out[1]: np.testing.assert_array_equal(out[0][kind], out[1][kind], err_msg=f"depth {i}, {kind}")
 
 def test_looped_cosine_rises_with_population(looped):
