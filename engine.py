@@ -6,6 +6,7 @@ asks of this module is small:
   jit(fn, owner, **static)         fn as a TinyJit per input shape, kept for the process: a step's tensor code runs as replays
   stack(fn, owner, ..., items=...) fn over chunks of items (a population's pairs), one JIT replayed per chunk, results stacked
   mean(fn, owner, ..., chunks=...) the mean of fn's sums over chunks of draws (Dust's groups), one JIT replayed per chunk call
+  compile_ahead(fn, what)          fn's kernels compiled at once before it runs: a process's first step, in seconds
   empty(*shape, device)            a buffer for a JIT to write, the caller's to keep
   tensor(array) / read(t)          a small array onto the device and a JIT's small output back, by the device's own copies
 
@@ -22,6 +23,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - JITs that free what they own until their next replay (Function.release),
 - the device's copy-in and copy-out for small arrays (tensor, read),
 - kernels lowered again in every process (LoweredOnDisk),
+- a JIT's kernels compiled when it is captured, so that a first step waits for one batch of compiles after another (Ahead),
 - CUDA kernels compiled by the driver at every process's module loads, and zo's for Hopper one at a time (nvrtc_for),
 - CUDA graphs destroyed after the CUDA library at exit (the atexit below).
 """
@@ -32,10 +34,12 @@ import numpy as np
 from tinygrad import Context, Tensor, Variable, dtypes
 from tinygrad.device import Buffer, MultiBuffer
 from tinygrad.dtype import _from_np_dtype, _to_np_dtype
-from tinygrad.engine.jit import CapturedJit, _TinyJit
+from tinygrad.codegen import to_program_context, to_program_key
+from tinygrad.engine.jit import CapturedJit, _TinyJit, _prepare_jit_inputs
 import tinygrad.codegen, tinygrad.engine.realize
-from tinygrad.engine.realize import graph_cache
-from tinygrad.helpers import DEBUG, JIT, Target, diskcache_get, diskcache_put, getenv
+from tinygrad.engine.realize import _compile_kernel, _get_call_to_compile, capturing, graph_cache
+from tinygrad.engine.worker import get_worker_pool
+from tinygrad.helpers import BEAM, DEBUG, JIT, Target, diskcache_get, diskcache_put, getenv
 from tinygrad.nn.state import get_parameters
 from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
@@ -179,6 +183,7 @@ class Jit(_TinyJit):
     self.cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
 
   def __call__(self, *args, **kwargs):
+    if AHEAD is not None and JIT and not kwargs: return AHEAD.trace(self, args)
     if self.cnt >= 2 and JIT and not kwargs and (bufs := self.whole_inputs(args)) is not None:
       self.cnt += 1
       return self.captured(bufs, {v.expr: val for v, val in (a.unbind() for a in args if isinstance(a, UOp))})
@@ -223,6 +228,58 @@ def apart(fn:Callable, *a, **kw):
     return ret
   finally:
     for t in hidden: all_tensors[weakref.ref(t)] = None
+
+class Ahead:
+  """A dry run of a step, to compile all its kernels in one batch. tinygrad 0.14 lowers and compiles a JIT's new kernels when it
+  captures it, in its pool of workers, and runs the capture when they are done: a process's first step is a chain of ~40 batches,
+  each as long as its slowest kernel, which leaves most workers idle (the small preset's cold Dust step: 40 s of compiling on an H100's
+  16 cores, against ~6.5 s for its kernels in one batch, modelled). A capture only traces its function (its kernels run after it),
+  so a JIT's capture doesn't need the values of the JITs before it. Here each JIT is traced as its capture would trace it, neither
+  compiled nor run, and its new kernels go to the pool at once, which compiles them while the next JIT is traced; then the step
+  runs for real, every kernel already compiled. What the dry run may not do, and a step doesn't:
+  - read a value to decide what to do: the outputs of the JITs are never written, so the code between them runs on garbage (for
+    real, and again in the real run), and the dry run's results are dropped;
+  - keep a tensor made inside a JIT: realized by the trace but never written. tinygrad's random numbers are one (their seed and
+    counter, made at the first draw on a device), so their state is put back after the dry run.
+  A JIT captured before the dry run returns its last outputs without running."""
+  def __init__(self):
+    self.seen:set[tuple] = set()          # the programs' keys (tinygrad's to_program_key), cached or not
+    self.traced:dict[Jit, Any] = {}       # each JIT traced, and what its trace returned
+    self.pool, self.jobs = get_worker_pool(), []
+
+  def trace(self, j:Jit, args:tuple) -> Any:
+    if j.captured is not None: return j.captured.ret
+    if j in self.traced: return self.traced[j]  # a JIT called again (another chunk): its capture was traced once
+    if capturing: raise RuntimeError("a JIT inside another JIT's function: tinygrad captures one at a time")
+    _prepare_jit_inputs(args, {})  # its inputs realized, as a capture does
+    j._linears = []
+    capturing.append(j)
+    try:
+      self.traced[j] = ret = j.fxn(*args)
+      calls = [c for lin in j._linears for c in UOp(Ops.LINEAR, src=lin.src).toposort() if c.op is Ops.CALL]
+    finally:
+      capturing.clear()
+      del j._linears
+    kernels = {to_program_key(*k): k for c in calls if (k := _get_call_to_compile(c)) is not None}
+    ctx = {v.key: v.value for v in to_program_context}
+    tasks = [(key, k, ctx) for key, k in kernels.items() if key not in self.seen and key not in tinygrad.engine.realize.to_program_cache]
+    self.seen.update(kernels)
+    if tasks: self.jobs.append(self.pool.map_async(_compile_kernel, tasks, chunksize=1) if self.pool else map(_compile_kernel, tasks))
+    return ret
+
+  def run(self, fn:Callable[[], Any]) -> set[tuple]:
+    """fn dry, then its kernels' programs into tinygrad's cache; the programs' keys."""
+    rng = dict(Tensor._device_seeds), dict(Tensor._device_rng_counters)
+    try:
+      with Context(PARALLEL=0):  # what fn compiles outside its JITs, in the process: not behind the dry run's batches in the pool
+        fn()
+    finally:
+      for now, before in zip((Tensor._device_seeds, Tensor._device_rng_counters), rng): now.clear(); now.update(before)
+    for job in self.jobs:
+      for key, prg in (job.get() if self.pool else job): tinygrad.engine.realize.to_program_cache[key] = prg
+    return self.seen
+
+AHEAD:Ahead|None = None  # the dry run in progress
 
 def free(captured:CapturedJit|None) -> None:
   """Free what a captured JIT writes of its own (its outputs, and its arenas where they are not the Scratch's) until its next replay,
@@ -310,6 +367,28 @@ def jit(fn:Callable, owner:Any=NOBODY, /, **static) -> Function:
   them, a tensor in several places or views of one buffer among them (`distinct`). Its outputs are the JIT's own buffers, which the
   next call writes again: copy what must outlive it. The capture runs `apart` from the lazy tensors that exist then."""
   return Function(fn, owner, static)
+
+@functools.cache
+def zo_sources() -> str:  # zo's own code, hashed: a process after an edit runs the dry run again (its kernels may have changed)
+  root = pathlib.Path(__file__).parent
+  return hashlib.sha256(b"".join(p.read_bytes() for p in sorted([*root.glob("*.py"), *root.glob("kernels/*.py")]))).hexdigest()
+
+def compile_ahead(fn:Callable[[], Any], what:str) -> None:
+  """Compile the kernels of fn's JITs all at once, in tinygrad's pool, by a dry run of fn (Ahead): fn is a process's first step,
+  whose JITs would otherwise each compile their kernels when they are captured, one batch after another. `what` names the work fn
+  does (its shapes and settings): the keys of its programs are kept in tinygrad's cache db under that name and zo's code, and a
+  process that finds them all in the cache skips the dry run, which costs about a third of a first step that compiles nothing.
+  Nothing under JIT=0, where nothing is captured, nor under BEAM, whose kernels tinygrad compiles as it times them."""
+  global AHEAD
+  if not JIT or BEAM or getenv("JITBEAM") or AHEAD is not None: return
+  row, cache = hashlib.sha256(repr((tinygrad_settings(), zo_sources(), what)).encode()).hexdigest(), tinygrad.engine.realize.to_program_cache
+  try: known = diskcache_get("zo_ahead", row)
+  except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): known = None
+  if known and all(key in cache for key in known): return
+  AHEAD = Ahead()
+  try: keys = AHEAD.run(fn)
+  finally: AHEAD = None
+  with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_ahead", row, keys)
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
   """An empty tensor with its memory, for a JIT to assign into, the caller's to keep: a JIT that assigns into a bare Tensor.empty it

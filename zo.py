@@ -163,11 +163,15 @@ def train(args):
   val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
   opts = options(args, tokens)
+  def estimate(x:Tensor, y:Tensor, step:int): return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
+  # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
+  work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, kernels.path(Device.DEFAULT)))
   with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
-      g, loss = run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
+      if step == start: engine.compile_ahead(lambda: estimate(x, y, step), work)  # all of the step's kernels at once, then the step
+      g, loss = estimate(x, y, step)
       opt.scale = min(1.0, (steps - step) / (warmdown * steps)) if warmdown else 1.0
       opt.step(g)  # queued before the check's read, which waits for it: a bad step stops the run before anything saves its weights
       loss = checked(model, loss, g, step, args.out)

@@ -29,7 +29,7 @@ from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import dust, estimators, optim, zo
+import dust, engine, estimators, optim, zo
 
 PEAK = [0]
 _allocate = Buffer.allocate
@@ -127,14 +127,18 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   lrs, mom = optim.group_lrs(model, method, "sgd", None, pop, "1M")
   opt, step = optim.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
+  def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts)
   def run():
     step[0] += 1
-    g, loss = estimators.run(model, x, y, method, pop, step[0], **opts)
+    g, loss = estimate()
     opt.step(g)
     zo.checked(model, loss, g, step[0], "")
+  def first_step():  # as zo.py's: the step's kernels compiled ahead, then the step
+    engine.compile_ahead(estimate, repr(("bench", method, pop, opts, model.cfg, x.shape)))
+    run()
   PEAK[0] = GlobalCounters.mem_used
-  first = timed(run, 1)
-  run()  # the second step captures the TinyJits (the first ran them eagerly, compiling their kernels): neither is a replay
+  first = timed(first_step, 1)
+  run()  # untimed: the first replay of every JIT
   steps = max(n, round(fill / timed(run, 1))) if fill else n
   row = {"first_s": first, "s": timed(run, steps), "peak": PEAK[0], "needs": forwards(model, method, pop)}
   if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks

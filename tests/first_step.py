@@ -4,11 +4,12 @@ r"""Where a run's first seconds go: zo.py's training loop with each phase of its
   DEV=CUDA CACHEDB=/tmp/cold.db CUDA_CACHE_PATH=/tmp/nv python tests/first_step.py --method dust --pop 1024 --steps 1 --force \
     2>&1 | tr '\r' '\n' | grep 's\] '
 
-takes zo.py's flags and prints, on stderr, each phase (the model, the data, the step, the update, the check, the evaluation, the
-save) with its seconds and what it did inside them: JIT captures and their seconds, `lower_and_compile` calls and their seconds
-(tinygrad's lowering and compiling of a capture's new kernels, in its pool of workers) with the programs new to the process
-(lowered, or read from the db) and the slowest calls, compiles in this process (a batch of one kernel) and cache hits, and on CUDA
-the module loads. Fresh CACHEDB and CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
+takes zo.py's flags and prints, on stderr, each phase (the model, the data, the first step's dry run that compiles its kernels ahead,
+the step, the update, the check, the evaluation, the save) with its seconds and what it did inside them: JIT captures and their
+seconds (in the dry run, the JIT calls traced), `lower_and_compile` calls and their seconds (tinygrad's lowering and compiling of a
+capture's new kernels, in its pool of workers) with the programs new to the process (lowered, or read from the db) and the slowest
+calls, compiles in this process (a batch of one kernel) and cache hits, and on CUDA the module loads. Fresh CACHEDB and
+CUDA_CACHE_PATH (the driver's cache) make a cold run, as on a new machine.
 """
 import collections, os, sys, time
 from typing import Callable
@@ -37,6 +38,7 @@ def phase(name:str, module, attr:str):
   """module.attr timed between device syncs; its first two calls printed with what happened inside them."""
   fn = getattr(module, attr)
   def timed(*a, **kw):
+    if engine.AHEAD is not None: return fn(*a, **kw)  # the step's dry run is timed as a whole, by its own phase
     Device[Device.DEFAULT].synchronize()
     s0, c0, t = seconds.copy(), counts.copy(), time.perf_counter()
     r = fn(*a, **kw)
@@ -67,7 +69,8 @@ counted(engine.Jit, "__call__", lambda jit, *_: "captures" if jit.cnt == 1 else 
 if Device.DEFAULT.split(":")[0] == "CUDA":
   import tinygrad.runtime.ops_cuda
   counted(tinygrad.runtime.ops_cuda.CUDAProgram, "__init__", lambda *_: "module loads")
-for name, module, attr in [("model", zo, "make_model"), ("data", data, "load"), ("step", zo, "run"), ("update", optim.Optimizer, "step"),
+for name, module, attr in [("model", zo, "make_model"), ("data", data, "load"), ("compile ahead", engine, "compile_ahead"),
+                           ("step", zo, "run"), ("update", optim.Optimizer, "step"),
                            ("check", zo, "checked"), ("evaluation", zo, "val_loss"), ("save", zo, "save")]:
   phase(name, module, attr)
 print(f"[{time.perf_counter() - T0:6.1f} s] imports", file=sys.stderr)

@@ -17,7 +17,8 @@ ALGORITHM = ("model.py", "estimators.py", "dust.py", "optim.py", "zo.py", "devic
 PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "Variable", "GlobalCounters"}
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
-             "ensure_allocated", "schedule_linear", "to_program_cache", "do_to_program", "diskcache_get", "diskcache_put"}
+             "ensure_allocated", "schedule_linear", "to_program_cache", "do_to_program", "diskcache_get", "diskcache_put", "capturing",
+             "to_program_key", "to_program_context", "get_worker_pool"}
 
 def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
   """Each use of a private tinygrad name in a file: an import of a name that starts with _ or is an internal, an attribute that starts
@@ -79,6 +80,50 @@ def test_lowered_kernels_kept_across_processes(tmp_path):
   assert first["lowered"] == first["sent"] > 0 and second["lowered"] == second["sent"] == 0, (first, second)
   assert other["lowered"] == first["lowered"], other
   assert second["values"] == first["values"] == other["values"]
+
+# ***** a first step's kernels compiled ahead (engine.compile_ahead) *****
+
+AHEAD = """import json, numpy as np, engine, tinygrad.engine.realize as realize
+from tinygrad import Device, Tensor
+Device[Device.DEFAULT]
+cache, added = realize.to_program_cache, []
+put = type(cache).__setitem__  # each program compiled and put in tinygrad's cache, by the process or from its pool of workers
+type(cache).__setitem__ = lambda self, key, prg: added.append(key) or put(self, key, prg)
+Tensor.manual_seed(1)
+x, state = Tensor(np.arange(64, dtype=np.float32).reshape(8, 8)).realize(), {"count": Tensor(np.zeros(1, np.float32)).realize()}
+f = engine.jit(lambda x: ((x / 9).exp() @ (x.T + 1)).contiguous())
+g = engine.jit(lambda a: (a.sum(1) * 2 + 1).contiguous())
+bump = engine.jit(lambda s, x: s["count"].assign(s["count"] + x[0, 1]).realize(), state)  # a JIT that changes state, as an update does
+noisy = engine.jit(lambda x: (x[0] + Tensor.rand(8)).contiguous())  # tinygrad's random numbers, first drawn in a JIT
+def step():
+  bump(x)
+  bump(x)  # called again, as a chunk's JIT is
+  return g(f(x)), noisy(x)
+dry = []
+engine.compile_ahead(lambda: dry.append(1) or step(), "two JITs, an update and random numbers")
+ahead, captured = len(added), f.last is not None and f.last.captured is not None
+values, noise = (t.tolist() for t in step())
+print(json.dumps({"dry": len(dry), "ahead": ahead, "after": len(added) - ahead, "captured": captured, "values": values,
+                  "count": state["count"].tolist(), "noise": noise}))"""
+
+@pytest.mark.skipif(engine.tinygrad_version() is None, reason="a tinygrad without a version keeps no lowered kernels on disk")
+def test_compile_ahead(tmp_path):
+  # a fresh cache: the dry run has the pool compile the JITs' kernels and captures, runs and changes nothing; the step then compiles
+  # none and computes what it would have without it. A second process on that cache skips the dry run (its programs are all there)
+  # and draws the same random numbers as the first.
+  env = {k: v for k, v in os.environ.items() if k not in ("CACHELEVEL", "CCACHE", "BEAM", "JITBEAM", "JIT")}
+  env.update(CACHEDB=str(tmp_path / "cache.db"), PARALLEL="2")
+  runs = [subprocess.run([sys.executable, "-c", AHEAD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+  assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+  first, second = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
+  assert first["dry"] == 1 and first["ahead"] > 0 and first["after"] == 0 and not first["captured"], first
+  assert second["dry"] == second["ahead"] == second["after"] == 0, second
+  x = np.arange(64, dtype=np.float32).reshape(8, 8)
+  want = ((np.exp(x / 9) @ (x.T + 1)).sum(1) * 2 + 1).tolist()
+  for run in (first, second):
+    np.testing.assert_allclose(run["values"], want, rtol=1e-5)
+    assert run["count"] == [2.0], run  # the update ran twice, in the step: not in the dry run
+  assert first["noise"] == second["noise"], (first, second)
 
 # ***** JITs sharing one arena (engine.Scratch) *****
 
