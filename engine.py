@@ -183,7 +183,7 @@ class Jit(_TinyJit):
     self.cnt = 1  # TinyJit's call counter: 0 runs eagerly, 1 captures
 
   def __call__(self, *args, **kwargs):
-    if AHEAD is not None and JIT and not kwargs: return AHEAD.trace(self, args)
+    if AHEAD is not None: return AHEAD.trace(self, args, kwargs)
     if self.cnt >= 2 and JIT and not kwargs and (bufs := self.whole_inputs(args)) is not None:
       self.cnt += 1
       return self.captured(bufs, {v.expr: val for v, val in (a.unbind() for a in args if isinstance(a, UOp))})
@@ -236,26 +236,26 @@ class Ahead:
   16 cores, against ~6.5 s for its kernels in one batch, modelled). A capture only traces its function (its kernels run after it),
   so a JIT's capture doesn't need the values of the JITs before it. Here each JIT is traced as its capture would trace it, neither
   compiled nor run, and its new kernels go to the pool at once, which compiles them while the next JIT is traced; then the step
-  runs for real, every kernel already compiled. What the dry run may not do, and a step doesn't:
-  - read a value to decide what to do: the outputs of the JITs are never written, so the code between them runs on garbage (for
-    real, and again in the real run), and the dry run's results are dropped;
+  runs for real, every kernel already compiled. A JIT called again in the dry run (another chunk) returns its first trace's outputs,
+  and one captured before it returns its last outputs, neither running. What the dry run may not do, and a step doesn't:
+  - read a value to decide what to do, or use one as an index: the outputs of the JITs are never written, so the code between them
+    runs on garbage (for real, and again in the real run), and the dry run's results are dropped;
   - keep a tensor made inside a JIT: realized by the trace but never written. tinygrad's random numbers are one (their seed and
-    counter, made at the first draw on a device), so their state is put back after the dry run.
-  A JIT captured before the dry run returns its last outputs without running."""
-  def __init__(self):
+    counter, made at the first draw on a device), so their state is put back after the dry run."""
+  def __init__(self, pool):
     self.seen:set[tuple] = set()          # the programs' keys (tinygrad's to_program_key), cached or not
     self.traced:dict[Jit, Any] = {}       # each JIT traced, and what its trace returned
-    self.pool, self.jobs = get_worker_pool(), []
+    self.pool, self.jobs = pool, []
 
-  def trace(self, j:Jit, args:tuple) -> Any:
+  def trace(self, j:Jit, args:tuple, kwargs:dict) -> Any:
     if j.captured is not None: return j.captured.ret
-    if j in self.traced: return self.traced[j]  # a JIT called again (another chunk): its capture was traced once
+    if j in self.traced: return self.traced[j]
     if capturing: raise RuntimeError("a JIT inside another JIT's function: tinygrad captures one at a time")
-    _prepare_jit_inputs(args, {})  # its inputs realized, as a capture does
+    _prepare_jit_inputs(args, kwargs)  # its inputs realized, as a capture does
     j._linears = []
     capturing.append(j)
     try:
-      self.traced[j] = ret = j.fxn(*args)
+      self.traced[j] = ret = j.fxn(*args, **kwargs)
       calls = [c for lin in j._linears for c in UOp(Ops.LINEAR, src=lin.src).toposort() if c.op is Ops.CALL]
     finally:
       capturing.clear()
@@ -264,19 +264,21 @@ class Ahead:
     ctx = {v.key: v.value for v in to_program_context}
     tasks = [(key, k, ctx) for key, k in kernels.items() if key not in self.seen and key not in tinygrad.engine.realize.to_program_cache]
     self.seen.update(kernels)
-    if tasks: self.jobs.append(self.pool.map_async(_compile_kernel, tasks, chunksize=1) if self.pool else map(_compile_kernel, tasks))
+    if tasks: self.jobs.append(self.pool.map_async(_compile_kernel, tasks, chunksize=1))
     return ret
 
   def run(self, fn:Callable[[], Any]) -> set[tuple]:
     """fn dry, then its kernels' programs into tinygrad's cache; the programs' keys."""
-    rng = dict(Tensor._device_seeds), dict(Tensor._device_rng_counters)
+    # tinygrad's random state, its counters copied: a draw outside a JIT advances them for real
+    seed, seeds, counters = Tensor._seed, dict(Tensor._device_seeds), {d: c.clone().realize() for d, c in Tensor._device_rng_counters.items()}
     try:
       with Context(PARALLEL=0):  # what fn compiles outside its JITs, in the process: not behind the dry run's batches in the pool
         fn()
     finally:
-      for now, before in zip((Tensor._device_seeds, Tensor._device_rng_counters), rng): now.clear(); now.update(before)
+      Tensor._seed = seed
+      for now, before in ((Tensor._device_seeds, seeds), (Tensor._device_rng_counters, counters)): now.clear(); now.update(before)
     for job in self.jobs:
-      for key, prg in (job.get() if self.pool else job): tinygrad.engine.realize.to_program_cache[key] = prg
+      for key, prg in job.get(): tinygrad.engine.realize.to_program_cache[key] = prg
     return self.seen
 
 AHEAD:Ahead|None = None  # the dry run in progress
@@ -369,23 +371,29 @@ def jit(fn:Callable, owner:Any=NOBODY, /, **static) -> Function:
   return Function(fn, owner, static)
 
 @functools.cache
-def zo_sources() -> str:  # zo's own code, hashed: a process after an edit runs the dry run again (its kernels may have changed)
-  root = pathlib.Path(__file__).parent
-  return hashlib.sha256(b"".join(p.read_bytes() for p in sorted([*root.glob("*.py"), *root.glob("kernels/*.py")]))).hexdigest()
+def zo_sources() -> str:
+  """zo's own code, hashed: a process after an edit runs the dry run again, as its kernels may have changed. A file it can't read
+  (an editor's lock file) is left out: the hash decides only whether a dry run is worth its time."""
+  h, root = hashlib.sha256(), pathlib.Path(__file__).parent
+  for p in sorted([*root.glob("*.py"), *root.glob("kernels/*.py")]):
+    with contextlib.suppress(OSError): h.update(p.read_bytes())
+  return h.hexdigest()
 
 def compile_ahead(fn:Callable[[], Any], what:str) -> None:
   """Compile the kernels of fn's JITs all at once, in tinygrad's pool, by a dry run of fn (Ahead): fn is a process's first step,
   whose JITs would otherwise each compile their kernels when they are captured, one batch after another. `what` names the work fn
   does (its shapes and settings): the keys of its programs are kept in tinygrad's cache db under that name and zo's code, and a
-  process that finds them all in the cache skips the dry run, which costs about a third of a first step that compiles nothing.
-  Nothing under JIT=0, where nothing is captured, nor under BEAM, whose kernels tinygrad compiles as it times them."""
+  process that finds them all in the cache (the name's row is keyed by tinygrad's settings too) skips the dry run, which costs about
+  a third of a first step that compiles nothing. Nothing under JIT=0, where nothing is captured; under BEAM or JITBEAM, whose
+  kernels tinygrad compiles as it times them; without a pool of workers (PARALLEL=0), where the kernels would compile one at a
+  time either way; or inside another dry run."""
   global AHEAD
-  if not JIT or BEAM or getenv("JITBEAM") or AHEAD is not None: return
+  if not JIT or BEAM or getenv("JITBEAM") or AHEAD is not None or (pool := get_worker_pool()) is None: return
   row, cache = hashlib.sha256(repr((tinygrad_settings(), zo_sources(), what)).encode()).hexdigest(), tinygrad.engine.realize.to_program_cache
   try: known = diskcache_get("zo_ahead", row)
   except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): known = None
   if known and all(key in cache for key in known): return
-  AHEAD = Ahead()
+  AHEAD = Ahead(pool)
   try: keys = AHEAD.run(fn)
   finally: AHEAD = None
   with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_ahead", row, keys)

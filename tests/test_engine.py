@@ -90,6 +90,7 @@ cache, added = realize.to_program_cache, []
 put = type(cache).__setitem__  # each program compiled and put in tinygrad's cache, by the process or from its pool of workers
 type(cache).__setitem__ = lambda self, key, prg: added.append(key) or put(self, key, prg)
 Tensor.manual_seed(1)
+Tensor.rand(2).realize()  # drawn before the dry run
 x, state = Tensor(np.arange(64, dtype=np.float32).reshape(8, 8)).realize(), {"count": Tensor(np.zeros(1, np.float32)).realize()}
 f = engine.jit(lambda x: ((x / 9).exp() @ (x.T + 1)).contiguous())
 g = engine.jit(lambda a: (a.sum(1) * 2 + 1).contiguous())
@@ -98,19 +99,19 @@ noisy = engine.jit(lambda x: (x[0] + Tensor.rand(8)).contiguous())  # tinygrad's
 def step():
   bump(x)
   bump(x)  # called again, as a chunk's JIT is
-  return g(f(x)), noisy(x)
+  return g(f(x)), noisy(x), Tensor.rand(3).realize()  # and drawn outside a JIT
 dry = []
 engine.compile_ahead(lambda: dry.append(1) or step(), "two JITs, an update and random numbers")
 ahead, captured = len(added), f.last is not None and f.last.captured is not None
-values, noise = (t.tolist() for t in step())
+values, noise, drawn = (t.tolist() for t in step())
 print(json.dumps({"dry": len(dry), "ahead": ahead, "after": len(added) - ahead, "captured": captured, "values": values,
-                  "count": state["count"].tolist(), "noise": noise}))"""
+                  "count": state["count"].tolist(), "noise": noise + drawn}))"""
 
 @pytest.mark.skipif(engine.tinygrad_version() is None, reason="a tinygrad without a version keeps no lowered kernels on disk")
 def test_compile_ahead(tmp_path):
   # a fresh cache: the dry run has the pool compile the JITs' kernels and captures, runs and changes nothing; the step then compiles
   # none and computes what it would have without it. A second process on that cache skips the dry run (its programs are all there)
-  # and draws the same random numbers as the first.
+  # and draws the same random numbers as the first: before the dry run, in a JIT and outside one.
   env = {k: v for k, v in os.environ.items() if k not in ("CACHELEVEL", "CCACHE", "BEAM", "JITBEAM", "JIT")}
   env.update(CACHEDB=str(tmp_path / "cache.db"), PARALLEL="2")
   runs = [subprocess.run([sys.executable, "-c", AHEAD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
