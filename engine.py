@@ -67,6 +67,16 @@ def tinygrad_settings() -> tuple[str|None, tuple[tuple[str, str], ...]]:
     names.update(re.findall(r"""(?:getenv|ContextVar)\(\s*["']([A-Z_0-9]+)["']""", f.read_text()))
   return tinygrad_version(), tuple((n, os.environ[n]) for n in sorted(names) if n in os.environ)
 
+def row(key:tuple) -> str: return hashlib.sha256(repr((tinygrad_settings(), *key)).encode()).hexdigest()  # a db row, by tinygrad's settings
+
+def kept(table:str, *key) -> Any:
+  """What zo keeps in tinygrad's cache db under `key` and tinygrad's settings; None where it has nothing or can't read it."""
+  try: return diskcache_get(table, row(key))
+  except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): return None
+
+def keep(table:str, value:Any, *key) -> None:  # a db that can't be written keeps nothing
+  with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put(table, row(key), value)
+
 class LoweredOnDisk(dict):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
   every kernel again (its AST rewritten, optimized and rendered to source): about 0.19 s a kernel on a 2-core CPU, for the 264
@@ -77,14 +87,10 @@ class LoweredOnDisk(dict):
   (tiny preset); a first run's is unchanged. It is off where tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0,
   IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code may change under one version), and a db that can't be read
   or written leaves it in memory, as tinygrad's own."""
-  @staticmethod
-  def row(key:tuple) -> str:  # CUDA's programs are machine code, Hopper's for sm_90a (nvrtc_for): rows from before are not found
-    return hashlib.sha256(repr((tinygrad_settings(), "cubin, sm_90a", key)).encode()).hexdigest()
+  CODE = "cubin, sm_90a"  # CUDA's programs are machine code, Hopper's for sm_90a (nvrtc_for): rows from before are not found
   def get(self, key:tuple, default=None):
     if (prg := dict.get(self, key)) is None:
-      try: prg = diskcache_get("zo_lowered", self.row(key))
-      except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): prg = None  # unreadable: lowered again
-      if prg is not None: dict.__setitem__(self, key, prg)
+      if (prg := kept("zo_lowered", self.CODE, key)) is not None: dict.__setitem__(self, key, prg)  # else lowered (again)
     return default if prg is None else prg
   def __contains__(self, key) -> bool: return self.get(key) is not None
   def __getitem__(self, key:tuple) -> UOp:
@@ -92,7 +98,7 @@ class LoweredOnDisk(dict):
     return prg
   def __setitem__(self, key:tuple, prg:UOp):
     dict.__setitem__(self, key, prg)
-    with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_lowered", self.row(key), prg)
+    keep("zo_lowered", prg, self.CODE, key)
 if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
 
@@ -389,15 +395,13 @@ def compile_ahead(fn:Callable[[], Any], what:str) -> None:
   kernels tinygrad compiles as it times them; without a pool of workers (PARALLEL=0), where the kernels would compile one at a
   time either way; or inside another dry run."""
   global AHEAD
-  if not JIT or BEAM or getenv("JITBEAM") or AHEAD is not None or (pool := get_worker_pool()) is None: return
-  row, cache = hashlib.sha256(repr((tinygrad_settings(), zo_sources(), what)).encode()).hexdigest(), tinygrad.engine.realize.to_program_cache
-  try: known = diskcache_get("zo_ahead", row)
-  except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): known = None
-  if known and all(key in cache for key in known): return
+  if not JIT or BEAM or getenv("JITBEAM") or AHEAD is not None: return
+  if (known := kept("zo_ahead", zo_sources(), what)) and all(key in tinygrad.engine.realize.to_program_cache for key in known): return
+  if (pool := get_worker_pool()) is None: return  # asked for only now: a process whose kernels are all cached starts no workers
   AHEAD = Ahead(pool)
   try: keys = AHEAD.run(fn)
   finally: AHEAD = None
-  with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put("zo_ahead", row, keys)
+  keep("zo_ahead", keys, zo_sources(), what)
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
   """An empty tensor with its memory, for a JIT to assign into, the caller's to keep: a JIT that assigns into a bare Tensor.empty it

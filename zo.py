@@ -155,7 +155,8 @@ def train(args):
     if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
-  print(kernels.path(Device.DEFAULT))  # which kernels run here
+  path = kernels.path(Device.DEFAULT)
+  print(path)  # which kernels run here
   print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second signal waits for the save
@@ -165,7 +166,7 @@ def train(args):
   opts = options(args, tokens)
   def estimate(x:Tensor, y:Tensor, step:int): return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
-  work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, kernels.path(Device.DEFAULT)))
+  work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
   with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
