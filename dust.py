@@ -80,11 +80,14 @@ def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   while units.sum() < total: units[np.argmax(share - units)] += 1
   return tuple(int(u) * unit for u in units)
 
-def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, noise:str="gaussian") -> Recipe:
+def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, noise:str="gaussian",
+           direct_scale:float=1.0) -> Recipe:
   """The release's SGD recipe for its populations and budgets (§3.11, §4.1), or under Adam(W) the Noise record's (§3.14) at any
   population that is a multiple of 256: every count per 256 of population, sigmas doubled, block 0 rewarded by a reward-to-go,
   AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals. `noise`:
-  Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate)."""
+  Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate).
+  `direct_scale` multiplies the direct draws (writers, hidden, hubs, embedding) and nothing else: 1.5 with the head's exact errors
+  (`head_exact`) spends about the time that the head's draws took (not the release's)."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
   if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
@@ -96,11 +99,12 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   nrep = NREP[max(p for p in NREP if p <= population)]
   base = NOISE if adam else POP64 if population == 64 else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
   scale = 1 if base is POP64 else population / 256  # POP64's counts are absolute
-  writers, hidden, hubs = (resample(tuple(round(c * scale) for c in b), n_layer, nrep) for b in base[:3])
+  direct = scale * direct_scale
+  writers, hidden, hubs = (resample(tuple(round(c * direct) for c in b), n_layer, nrep) for b in base[:3])
   has_ve = GPTConfig(n_layer=n_layer).has_ve
   lr, momentum = (0.0015, 0.7) if adam else SGD_LR[budget][max(population, 256)]  # P = 64 takes P = 256's settings [S]
   sigma = 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
-  r = Recipe(population=population, nrep=nrep, writers=writers, hidden=hidden, hubs=hubs, embedding=round(base[3] * scale),
+  r = Recipe(population=population, nrep=nrep, writers=writers, hidden=hidden, hubs=hubs, embedding=round(base[3] * direct),
              head=(3 if adam else 4) * population,
              local={kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
                     for kind, c in base[4].items()},
@@ -116,7 +120,9 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
              warmdown=0.3 if adam else 0.0, noise=noise)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
   if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
-    raise ValueError(f"population {population}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
+    scaled = f" with its direct draws scaled by {direct_scale}" if direct_scale != 1 else ""
+    raise ValueError(f"population {population}{scaled}: its draw counts don't split into chunks of {nrep} draws "
+                     "(and the head's into 16 slabs of them)")
   return r
 
 def forwards(rc:Recipe) -> float:
@@ -471,14 +477,14 @@ def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, T
   Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
 
 def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian", head:str="slabs",
-         rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
+         direct_scale:float=1.0, rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the recipe for this population,
-  budget, optimizer and noise (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the captured
-  activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from draws (§3.6), "exact"
+  budget, optimizer, noise and direct_scale (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the
+  captured activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from draws (§3.6), "exact"
   computes them (`head_exact`). devices: split every group's chunks over this many devices. Draws are allocated per parameter
   block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth, so a looped model gets
   them at every loop. Memory: the capture of every depth's activations."""
-  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise)
+  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise, direct_scale)
   u = Update(model, x, y, key, rc, rerun, devices)  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)

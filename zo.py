@@ -113,11 +113,11 @@ def takes(method:str) -> set[str]: return set(inspect.signature(ESTIMATORS[metho
 def options(args, tokens:int) -> dict:
   """The flags that the method's estimator takes, by the names of its parameters."""
   flags = {"eps": args.eps, "sigma": args.sigma, "shaping": args.shaping, "rank": args.rank, "devices": args.devices,
-           "optimizer": args.optim, "noise": args.noise, "head": args.head, "budget": budget(tokens)}
+           "optimizer": args.optim, "noise": args.noise, "head": args.head, "direct_scale": args.direct_scale, "budget": budget(tokens)}
   return {k: v for k, v in flags.items() if k in takes(args.method)}
 
-def run_config(path:str) -> dict:  # a run from before --tokenizer read bytes, before --noise drew Gaussians, before --head had slabs
-  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs"} | json.load(open(path))
+def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head or --direct-scale: bytes, Gaussians, slabs, 1
+  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0} | json.load(open(path))
 
 def train(args):
   from data import load
@@ -138,7 +138,8 @@ def train(args):
   if args.resume:
     if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
     old = run_config(cfg_path)
-    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head")
+    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
+            "direct_scale")
     diff = [k for k in kept if old.get(k) != config[k]]
     if diff:
       raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
@@ -326,6 +327,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "(Rademacher: +-1, the same mean and variance)")
   p.add_argument("--head", default="slabs", choices=("slabs", "exact"), help="dust: the head's per-token errors estimated from draws on "
                  "slabs of the logits (the release's), or exact: softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)")
+  p.add_argument("--direct-scale", type=float, default=1.0, help="dust: the recipe's direct draws (writers, hidden, hubs, embedding) "
+                 "times this; 1.5 with --head exact takes about the time of the recipe's step (docs/dust.md §3.6)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
@@ -349,9 +352,9 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   for flag, value, ok, need in checks(args):
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{flag.replace('_', '-')} {value}: must be {need}\n")  # one line
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  for flag in ("noise", "head"):  # Dust's: another method refuses them rather than ignore them
+  for flag in ("noise", "head", "direct_scale"):  # Dust's: another method refuses them rather than ignore them
     if getattr(args, flag) != p.get_default(flag) and flag not in takes(args.method):
-      p.error(f"--{flag} {getattr(args, flag)} is Dust's: {args.method} does not take it")
+      p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is Dust's: {args.method} does not take it")
   return args
 
 def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool], str]]:
@@ -361,7 +364,7 @@ def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool
                                                                                   "loops", "eval_loops", "devices", "sample", "top_k")]
   return [("pop", min(args.pops), lambda v: v >= 1, "at least 1"), *counts, ("vocab", args.vocab, lambda v: v >= 2, "at least 2"),
           ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"), ("rank", args.rank, lambda v: v >= 0, "0 or more"),
-          *[(f, getattr(args, f), positive, "positive and finite") for f in ("lr", "sigma", "eps", "temperature")],
+          *[(f, getattr(args, f), positive, "positive and finite") for f in ("lr", "sigma", "eps", "temperature", "direct_scale")],
           ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"), ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
 
 def default_device() -> str:

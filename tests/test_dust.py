@@ -84,6 +84,22 @@ def test_noise_recipe_rejects_populations(pop:int):
   """Its counts are per 256 of population, and every one must split into chunks of nrep draws (1280 / 256 * 4 = 20 writers, nrep 8)."""
   with pytest.raises(ValueError, match="multiple of 256" if pop % 256 else "don't split into chunks of 8"): dust.recipe(pop, optimizer="adamw")
 
+# protects: direct_scale multiplies the direct draws (writers, hidden, hubs, embedding) and no others, and reaches the estimator
+def test_direct_scale(setup):
+  r, r15 = dust.recipe(1024, optimizer="adamw"), dust.recipe(1024, optimizer="adamw", direct_scale=1.5)
+  assert (r15.writers, r15.hidden, r15.hubs, r15.embedding) == ((24,) * 8, (48,) * 8, (48,) * 8, 192)
+  assert r15 == replace(r, writers=r15.writers, hidden=r15.hidden, hubs=r15.hubs, embedding=r15.embedding)
+  race = dust.recipe(1024, "10M", "adamw", 6, direct_scale=1.5)  # the race's 6 blocks: 1.5 x 128 writers, spread evenly
+  assert (race.writers, race.hidden, race.embedding) == ((32,) * 6, (64,) * 6, 192)
+  with pytest.raises(ValueError, match="scaled by 1.1: its draw counts don't split into chunks of 8"):
+    dust.recipe(1024, optimizer="adamw", direct_scale=1.1)
+  # chunk c of a group keeps its key, so twice the draws are the recipe's and as many more: the direct weights' estimates move,
+  # the head's slab draws stay the same
+  base, twice = estimate(setup, 64, 1), estimate(setup, 64, 1, direct_scale=2)
+  for n in ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight", "transformer.wte.weight"):
+    assert not np.allclose(base[n], twice[n]), n
+  np.testing.assert_array_equal(base["lm_head.weight"], twice["lm_head.weight"])
+
 def test_reward_to_go():
   """r_t = sum_{s>=t} gamma^(s-t) c_s, against the sum written out."""
   c = np.random.default_rng(0).standard_normal((3, 2, 12)).astype(np.float32)

@@ -392,14 +392,15 @@ def test_unwritable_checkpoint(runs, tmp_path:Path):
 # protects: every numeric flag is checked before anything runs: exit 2, one line naming the flag (argparse reads "nan" and "inf")
 @pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--lr", "0"), ("--lr", "-1"), ("--sigma", "inf"), ("--eps", "0"), ("--warmdown", "1.5"),
                                          ("--warmdown", "-0.1"), ("--momentum", "1"), ("--top-k", "0"), ("--temperature", "0"), ("--tokens", "0"),
-                                         ("--steps", "0"), ("--vocab", "1"), ("--seq", "-5"), ("--rank", "-1"), ("--loops", "0")])
+                                         ("--steps", "0"), ("--vocab", "1"), ("--seq", "-5"), ("--rank", "-1"), ("--loops", "0"),
+                                         ("--direct-scale", "0")])
 def test_bad_number(flag:str, value:str, capsys):
   with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", flag, value])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
-# protects: --noise and --head are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
-@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact")])
+# protects: --noise, --head and --direct-scale are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
+@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5")])
 def test_dust_flags_are_dusts(flag:str, value:str, capsys):
   with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", "--pop", "1", flag, value])
   err = capsys.readouterr().err
