@@ -86,8 +86,9 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   population that is a multiple of 256: every count per 256 of population, sigmas doubled, block 0 rewarded by a reward-to-go,
   AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals. `noise`:
   Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate).
-  `direct_scale` multiplies the direct draws (writers, hidden, hubs, embedding) and nothing else: 1.5 with the head's exact errors
-  (`head_exact`) spends about the time that the head's draws took (not the release's)."""
+  `direct_scale` multiplies the direct draws (writers, hidden, hubs, embedding) and nothing else, each count still a whole number
+  of chunks: 1.5 with the head's exact errors (`head_exact`) spends about the time that the head's draws took (neither is the
+  release's)."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
   if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
@@ -123,6 +124,8 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
     scaled = f" with its direct draws scaled by {direct_scale}" if direct_scale != 1 else ""
     raise ValueError(f"population {population}{scaled}: its draw counts don't split into chunks of {nrep} draws "
                      "(and the head's into 16 slabs of them)")
+  if direct_scale < 1 and 0 in (*r.writers, *r.hidden, *r.hubs, r.embedding):  # a site without draws would never learn
+    raise ValueError(f"population {population} with its direct draws scaled by {direct_scale}: a block or the embedding gets none")
   return r
 
 def forwards(rc:Recipe) -> float:

@@ -20,10 +20,10 @@ def metrics(run:str) -> list[dict]:
 
 def loss_curves(runs:list[str], out:str):
   fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for run in runs:
-    m, label = metrics(run), os.path.basename(os.path.normpath(run))
-    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label)
-    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label)
+  for i, run in enumerate(runs):
+    m, label, color = metrics(run), os.path.basename(os.path.normpath(run)), plt.cm.tab20(i % 20)  # the default cycle repeats after 10
+    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label, color=color)
+    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label, color=color)
   by_tokens.set(xlabel="tokens", ylabel="val loss (nats)")
   by_time.set(xlabel="seconds (log scale: runs differ by orders of magnitude)", xscale="log")
   for ax in (by_tokens, by_time): ax.grid(alpha=0.3)

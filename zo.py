@@ -119,6 +119,13 @@ def options(args, tokens:int) -> dict:
 def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head or --direct-scale: bytes, Gaussians, slabs, 1
   return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0} | json.load(open(path))
 
+def dust_recipe(args, tokens:int, model) -> dust.Recipe:
+  """The run's Dust recipe, made before anything is written: a --direct-scale whose counts don't split into chunks stops here."""
+  try: return dust.recipe(args.pop, budget(tokens), args.optim, model.n_pblocks, args.noise, args.direct_scale)
+  except ValueError as e:
+    if args.direct_scale == 1: raise
+    raise UsageError(f"--direct-scale {args.direct_scale}: {e}") from None
+
 def train(args):
   from data import load
   tok = text_tokenizer(args, "--resume" if args.resume else None)  # resumed, a run keeps its tokenizer, whatever the text is now
@@ -129,8 +136,8 @@ def train(args):
   tokens = steps * args.batch * args.seq
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop, budget(tokens))
   opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
-  recipe_warmdown = dust.recipe(args.pop, budget(tokens), args.optim, model.n_pblocks).warmdown if args.method == "dust" else 0.0
-  warmdown = recipe_warmdown if args.warmdown is None else args.warmdown
+  warmdown = dust_recipe(args, tokens, model).warmdown if args.method == "dust" else 0.0
+  if args.warmdown is not None: warmdown = args.warmdown
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
@@ -142,7 +149,9 @@ def train(args):
             "direct_scale")
     diff = [k for k in kept if old.get(k) != config[k]]
     if diff:
-      raise UsageError(f"--resume: {args.out} was trained with other {', '.join(diff)} ({', '.join(f'{k}={old.get(k)}' for k in diff)})")
+      flags = [k.replace("_", "-") for k in diff]  # as they are typed
+      raise UsageError(f"--resume: {args.out} was trained with other {', '.join(flags)} "
+                       f"({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
     with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
@@ -328,7 +337,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--head", default="slabs", choices=("slabs", "exact"), help="dust: the head's per-token errors estimated from draws on "
                  "slabs of the logits (the release's), or exact: softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)")
   p.add_argument("--direct-scale", type=float, default=1.0, help="dust: the recipe's direct draws (writers, hidden, hubs, embedding) "
-                 "times this; 1.5 with --head exact takes about the time of the recipe's step (docs/dust.md §3.6)")
+                 "times this, each count still a whole number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the "
+                 "recipe's step (docs/dust.md §3.6)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")

@@ -93,6 +93,8 @@ def test_direct_scale(setup):
   assert (race.writers, race.hidden, race.embedding) == ((32,) * 6, (64,) * 6, 192)
   with pytest.raises(ValueError, match="scaled by 1.1: its draw counts don't split into chunks of 8"):
     dust.recipe(1024, optimizer="adamw", direct_scale=1.1)
+  with pytest.raises(ValueError, match="scaled by 0.05: a block or the embedding gets none"):  # 4 x 0.05 writers a block round to 0
+    dust.recipe(256, optimizer="adamw", direct_scale=0.05)
   # chunk c of a group keeps its key, so twice the draws are the recipe's and as many more: the direct weights' estimates move,
   # the head's slab draws stay the same
   base, twice = estimate(setup, 64, 1), estimate(setup, 64, 1, direct_scale=2)
