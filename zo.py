@@ -242,15 +242,20 @@ def cosines(g:dict[str, Tensor], ref:dict[str, Tensor]) -> dict[str, float]:
   return out
 
 def cosine_table(args):
+  """--cosine: for each --pop, the cosine of the estimate to the backprop gradient per layer type, on the first training batch; at
+  initialisation, or with --resume at the weights of the checkpoint in --out (whose model the flags must make), where estimators
+  differ more than at initialisation, and two estimators can be compared at the same trained weights."""
   from data import load
-  tok = text_tokenizer(args)
+  tok = text_tokenizer(args, "--resume" if args.resume else None)
   model = make_model(args)
+  where = "initialisation"
+  if args.resume: where = f"the checkpoint of step {load_checkpoint(args.out, model, '--cosine --resume')[1]} in {args.out}"
   x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed, tok).batch("train", 0, args.batch, args.seq))
   print(kernels.path(Device.DEFAULT))
   ref = estimate(model, x, y, "backprop", 1, 0)
   rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **options(args, args.tokens)), ref) for pop in args.pops}
   types = list(next(iter(rows.values())))
-  print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}\n" + f"{'pop':>7} " +
+  print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}, at {where}\n" + f"{'pop':>7} " +
         " ".join(f"{t:>8}" for t in types))
   for pop, r in rows.items(): print(f"{pop:>7} " + " ".join(f"{r[t]:>8.3f}" for t in types))
 
@@ -349,9 +354,11 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses")
   p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
   p.add_argument("--out", default="runs/zo", help="output directory: config.json, metrics.jsonl, model.safetensors")
-  p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+  p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (with --cosine: "
+                 "measure at its weights)")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
-  p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit")
+  p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit: at "
+                 "initialisation, or with --resume at the checkpoint in --out")
   p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")
   p.add_argument("--sample", type=int, default=None, metavar="N", help="print N tokens sampled from the checkpoint in --out, then exit")
   p.add_argument("--prompt", default="\n", help="--sample: the text to continue (default: %(default)r)")

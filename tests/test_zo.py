@@ -44,7 +44,7 @@ def background(request, tmp_path_factory):
   out = tmp_path_factory.mktemp("runs")
   with ThreadPoolExecutor(2) as pool:
     jobs = {}
-    if wanted & {"test_resume_continues_exactly", "test_resume_refusals", "test_plot"}:
+    if wanted & {"test_resume_continues_exactly", "test_resume_refusals", "test_plot", "test_cosine_at_checkpoint"}:
       jobs["full"] = pool.submit(cli, **RUN, steps=10, out=out / "full")
       jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
     if "test_cli_cosine_table" in wanted:
@@ -468,6 +468,25 @@ def test_cli_cosine_table(background):
   assert [row[0] for row in rows] == ["4", "16"], lines
   vals = np.array([[float(v) for v in row[1:]] for row in rows])
   assert vals.shape == (2, len(TYPES)) and (np.abs(vals) <= 1).all() and not np.array_equal(vals[0], vals[1]), lines
+
+# protects: --cosine --resume measures at the checkpoint's weights (not at initialisation), and says where it measured
+def test_cosine_at_checkpoint(background, monkeypatch, capsys):
+  out, jobs = background
+  assert jobs["full"].result().returncode == 0
+  seen = []
+  def spy(model, *a, **kw):
+    if not seen: seen.append({n: p.numpy() for n, p in model.params.items()})
+    return estimators.estimate(model, *a, **kw)
+  monkeypatch.setattr(zo, "estimate", spy)
+  flags = {k: v for k, v in RUN.items() if k in ("model", "vocab", "seq", "batch", "seed")}
+  zo.main(["--cosine", "--resume", "--out", str(out / "full"), "--method", "mezo", "--pop", "4",
+           *(s for k, v in flags.items() for s in (f"--{k}", str(v)))])
+  assert f"at the checkpoint of step 10 in {out / 'full'}" in capsys.readouterr().out
+  ckpt = safe_load(str(out / "full" / "model.safetensors"))
+  init = GPT(GPTConfig.preset("tiny", vocab=64), seed=0).params
+  for n, w in seen[0].items():
+    np.testing.assert_array_equal(w, ckpt[f"param.{n}"].numpy(), err_msg=n)
+  assert any(not np.array_equal(w, init[n].numpy()) for n, w in seen[0].items())  # training moved the weights: a real check
 
 # ***** 8. the looped model's memory *****
 
