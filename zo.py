@@ -119,12 +119,21 @@ def options(args, tokens:int) -> dict:
 def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head or --direct-scale: bytes, Gaussians, slabs, 1
   return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0} | json.load(open(path))
 
-def dust_recipe(args, tokens:int, model) -> dust.Recipe:
+def dust_recipe(args, pop:int, tokens:int, model) -> dust.Recipe:
   """The run's Dust recipe, made before anything is written: a --direct-scale whose counts don't split into chunks stops here."""
-  try: return dust.recipe(args.pop, budget(tokens), args.optim, model.n_pblocks, args.noise, args.direct_scale)
+  try: return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, args.direct_scale)
   except ValueError as e:
     if args.direct_scale == 1: raise
     raise UsageError(f"--direct-scale {args.direct_scale}: {e}") from None
+
+def same_run(flag:str, args, keys:tuple[str, ...]):
+  """Check that the run in --out was made with these flags' values: another one is refused, each named as it is typed."""
+  path = os.path.join(args.out, "config.json")
+  if not os.path.exists(path): raise UsageError(f"{flag}: no run in {args.out}")
+  old = run_config(path)
+  if diff := [k for k in keys if old.get(k) != getattr(args, k)]:
+    flags = [k.replace("_", "-") for k in diff]
+    raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
 
 def train(args):
   from data import load
@@ -136,22 +145,15 @@ def train(args):
   tokens = steps * args.batch * args.seq
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop, budget(tokens))
   opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
-  warmdown = dust_recipe(args, tokens, model).warmdown if args.method == "dust" else 0.0
+  warmdown = dust_recipe(args, args.pop, tokens, model).warmdown if args.method == "dust" else 0.0
   if args.warmdown is not None: warmdown = args.warmdown
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
-    if not os.path.exists(cfg_path): raise UsageError(f"--resume: no run in {args.out} to resume")
-    old = run_config(cfg_path)
-    kept = ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
-            "direct_scale")
-    diff = [k for k in kept if old.get(k) != config[k]]
-    if diff:
-      flags = [k.replace("_", "-") for k in diff]  # as they are typed
-      raise UsageError(f"--resume: {args.out} was trained with other {', '.join(flags)} "
-                       f"({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
+    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
+                                "direct_scale"))
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
     with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
@@ -243,13 +245,19 @@ def cosines(g:dict[str, Tensor], ref:dict[str, Tensor]) -> dict[str, float]:
 
 def cosine_table(args):
   """--cosine: for each --pop, the cosine of the estimate to the backprop gradient per layer type, on the first training batch; at
-  initialisation, or with --resume at the weights of the checkpoint in --out (whose model the flags must make), where estimators
-  differ more than at initialisation, and two estimators can be compared at the same trained weights."""
+  initialisation, or with --resume at the weights of the checkpoint in --out, where estimators differ more than at initialisation
+  and two settings of one can be compared on the same trained weights. The run's model and data must be the flags' (--model,
+  --vocab, --loops, --tokenizer, --data, --seed); the estimator's flags, --batch and --seq are free."""
   from data import load
-  tok = text_tokenizer(args, "--resume" if args.resume else None)
+  flag = "--cosine --resume" if args.resume else None
+  tok = text_tokenizer(args, flag)
   model = make_model(args)
   where = "initialisation"
-  if args.resume: where = f"the checkpoint of step {load_checkpoint(args.out, model, '--cosine --resume')[1]} in {args.out}"
+  if flag:
+    same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
+    where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
+  if args.method == "dust":
+    for pop in args.pops: dust_recipe(args, pop, args.tokens, model)  # a --direct-scale that doesn't split stops before any work
   x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed, tok).batch("train", 0, args.batch, args.seq))
   print(kernels.path(Device.DEFAULT))
   ref = estimate(model, x, y, "backprop", 1, 0)
@@ -357,8 +365,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (with --cosine: "
                  "measure at its weights)")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
-  p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, then exit: at "
-                 "initialisation, or with --resume at the checkpoint in --out")
+  p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop for each --pop, at "
+                 "initialisation or (with --resume) at the checkpoint in --out, then exit")
   p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")
   p.add_argument("--sample", type=int, default=None, metavar="N", help="print N tokens sampled from the checkpoint in --out, then exit")
   p.add_argument("--prompt", default="\n", help="--sample: the text to continue (default: %(default)r)")

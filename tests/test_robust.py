@@ -400,13 +400,16 @@ def test_bad_number(flag:str, value:str, capsys):
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
 # protects: --direct-scale reaches the estimator's options, and one whose counts don't split into chunks stops before anything is
-# written (exit 2, naming the flag), so the same --out takes the corrected command
+# written or computed (exit 2, naming the flag), so the same --out takes the corrected command
 def test_direct_scale_flag(tmp_path:Path, capsys):
   assert zo.options(zo.parse(["--direct-scale", "1.5"]), 10**7)["direct_scale"] == 1.5
   with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--steps", "1", "--out", str(tmp_path / "run")])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1: ") and "chunks" in err, err
   assert not (tmp_path / "run").exists()
+  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--cosine"])  # --cosine stops before its backprop reference
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1: "), err
 
 # protects: --noise, --head and --direct-scale are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
 @pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5")])

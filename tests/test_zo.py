@@ -46,6 +46,7 @@ def background(request, tmp_path_factory):
     jobs = {}
     if wanted & {"test_resume_continues_exactly", "test_resume_refusals", "test_plot", "test_cosine_at_checkpoint"}:
       jobs["full"] = pool.submit(cli, **RUN, steps=10, out=out / "full")
+    if wanted & {"test_resume_continues_exactly", "test_resume_refusals", "test_plot"}:
       jobs["split"] = pool.submit(lambda: (cli(**RUN, steps=5, out=out / "split"), cli(**RUN, steps=10, out=out / "split", resume=True)))
     if "test_cli_cosine_table" in wanted:
       jobs["cosine"] = pool.submit(cli, "--cosine", "--pop", 4, 16, method="mezo", model="tiny", vocab=64, seq=T, batch=B)
@@ -465,11 +466,12 @@ def test_cli_cosine_table(background):
   head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["pop"])
   assert all(re.search(rf"(?<!\S){t}(?!\S)", lines[head]) for t in TYPES), lines[head]
   rows = [line.split() for line in lines[head + 1:]]
-  assert [row[0] for row in rows] == ["4", "16"], lines
+  assert [row[0] for row in rows] == ["4", "16"] and lines[head - 1].endswith("at initialisation"), lines
   vals = np.array([[float(v) for v in row[1:]] for row in rows])
   assert vals.shape == (2, len(TYPES)) and (np.abs(vals) <= 1).all() and not np.array_equal(vals[0], vals[1]), lines
 
-# protects: --cosine --resume measures at the checkpoint's weights (not at initialisation), and says where it measured
+# protects: --cosine --resume measures at the checkpoint's weights (not at initialisation), and says where it measured; it refuses
+# another model or data than the run's, naming the flag
 def test_cosine_at_checkpoint(background, monkeypatch, capsys):
   out, jobs = background
   assert jobs["full"].result().returncode == 0
@@ -478,15 +480,18 @@ def test_cosine_at_checkpoint(background, monkeypatch, capsys):
     if not seen: seen.append({n: p.numpy() for n, p in model.params.items()})
     return estimators.estimate(model, *a, **kw)
   monkeypatch.setattr(zo, "estimate", spy)
-  flags = {k: v for k, v in RUN.items() if k in ("model", "vocab", "seq", "batch", "seed")}
-  zo.main(["--cosine", "--resume", "--out", str(out / "full"), "--method", "mezo", "--pop", "4",
-           *(s for k, v in flags.items() for s in (f"--{k}", str(v)))])
+  argv = ["--cosine", "--resume", "--out", str(out / "full"), "--method", "mezo", "--pop", "4",
+          *(s for k in ("model", "vocab", "seq", "batch", "seed") for s in (f"--{k}", str(RUN[k])))]
+  zo.main(argv)
   assert f"at the checkpoint of step 10 in {out / 'full'}" in capsys.readouterr().out
   ckpt = safe_load(str(out / "full" / "model.safetensors"))
-  init = GPT(GPTConfig.preset("tiny", vocab=64), seed=0).params
+  init = GPT(GPTConfig.preset("tiny", vocab=RUN["vocab"]), seed=RUN["seed"]).params
   for n, w in seen[0].items():
     np.testing.assert_array_equal(w, ckpt[f"param.{n}"].numpy(), err_msg=n)
   assert any(not np.array_equal(w, init[n].numpy()) for n, w in seen[0].items())  # training moved the weights: a real check
+  with pytest.raises(SystemExit) as e: zo.main(argv + ["--seed", "1"])  # another seed: another synthetic chain than the run's
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith(f"zo: error: --cosine --resume: {out / 'full'} was trained with other seed"), err
 
 # ***** 8. the looped model's memory *****
 
