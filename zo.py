@@ -121,9 +121,10 @@ def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --h
 
 def dust_recipe(args, pop:int, tokens:int, model) -> dust.Recipe:
   """The run's Dust recipe, made before anything is written: a --direct-scale whose counts don't split into chunks stops here."""
-  try: return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, args.direct_scale)
+  def make(scale:float) -> dust.Recipe: return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, scale)
+  try: return make(args.direct_scale)
   except ValueError as e:
-    if args.direct_scale == 1: raise
+    make(1.0)  # a fault of the population or the optimizer itself is reported as such
     raise UsageError(f"--direct-scale {args.direct_scale}: {e}") from None
 
 def same_run(flag:str, args, keys:tuple[str, ...]):

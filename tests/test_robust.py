@@ -410,6 +410,9 @@ def test_direct_scale_flag(tmp_path:Path, capsys):
   with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--cosine"])  # --cosine stops before its backprop reference
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1: "), err
+  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.5", "--optim", "adamw", "--pop", "100", "--cosine"])
+  err = capsys.readouterr().err  # the population is at fault, not the scale: the error says so
+  assert e.value.code == 2 and err.startswith("zo: error: Dust's AdamW recipe") and "multiple of 256" in err, err
 
 # protects: --noise, --head and --direct-scale are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
 @pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5")])
