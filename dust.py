@@ -120,12 +120,11 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
                       {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
              warmdown=0.3 if adam else 0.0, noise=noise)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
+  what = f"population {population}" + (f" with its direct draws scaled by {direct_scale}" if direct_scale != 1 else "")
   if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
-    scaled = f" with its direct draws scaled by {direct_scale}" if direct_scale != 1 else ""
-    raise ValueError(f"population {population}{scaled}: its draw counts don't split into chunks of {nrep} draws "
-                     "(and the head's into 16 slabs of them)")
+    raise ValueError(f"{what}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
   if direct_scale < 1 and 0 in (*r.writers, *r.hidden, *r.hubs, r.embedding):  # a site without draws would never learn
-    raise ValueError(f"population {population} with its direct draws scaled by {direct_scale}: a block or the embedding gets none")
+    raise ValueError(f"{what}: a block or the embedding gets none")
   return r
 
 def forwards(rc:Recipe) -> float:
