@@ -32,6 +32,7 @@ import engine
 POPULATIONS = (64, 256, 1024, 4096, 16384)  # the release's SGD cells; AdamW takes any multiple of 256 whose counts split into chunks
 NREP = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}  # draws per chunk; a population between cells takes the one below
 KINDS = ("q", "v", "gate", "k", "ve")  # attention internals, in the release's order (§3.5)
+QKV = ("q", "k", "v")  # the kinds that qkv_scale multiplies: attention's query, key and value
 # 8-block allocations per 256 of population (scale = P / 256): writers, hidden, hubs, embedding; local per block per kind
 SGD_W = (38, 32, 16, 10, 6, 4, 2, 2)
 SGD = (SGD_W, SGD_W, (6, 6, 4, 2, 2, 2, 2, 2), 10, {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 8})
@@ -81,14 +82,14 @@ def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   return tuple(int(u) * unit for u in units)
 
 def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, noise:str="gaussian",
-           direct_scale:float=1.0) -> Recipe:
+           direct_scale:float=1.0, qkv_scale:float=1.0) -> Recipe:
   """The release's SGD recipe for its populations and budgets (§3.11, §4.1), or under Adam(W) the Noise record's (§3.14) at any
   population that is a multiple of 256: every count per 256 of population, sigmas doubled, block 0 rewarded by a reward-to-go,
   AdamW with the lr flat for 70% of the steps. The 8-block counts are spread over n_layer blocks, keeping their totals. `noise`:
   Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate).
   `direct_scale` multiplies the direct draws (writers, hidden, hubs, embedding) and nothing else, each count still a whole number
-  of chunks: 1.5 with the head's exact errors (`head_exact`) spends about the time that the head's draws took (neither is the
-  release's)."""
+  of chunks: 1.5 with the head's exact errors (`head_exact`) spends about the time that the head's draws took. `qkv_scale` multiplies
+  the attention internals' q, k and v draws, the sites with the lowest cosines (§3.6); neither is the release's."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
   if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
@@ -107,8 +108,8 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   sigma = 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
   r = Recipe(population=population, nrep=nrep, writers=writers, hidden=hidden, hubs=hubs, embedding=round(base[3] * direct),
              head=(3 if adam else 4) * population,
-             local={kind: tuple(round(c * scale) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
-                    for kind, c in base[4].items()},
+             local={kind: tuple(round(c * scale * (qkv_scale if kind in QKV else 1)) if kind not in ("gate", "ve") or has_ve(l) else 0
+                           for l in range(n_layer)) for kind, c in base[4].items()},
              gamma=0.99 if base is SGD_16K_10M else 0.98, gamma0=0.3 if adam else 0.0,
              # the record's embedding is 0.8: four times the release's, twice the paper's Adam recipe (§3.14)
              sigma={"writers": 0.2 * sigma, "hidden": 0.2 * sigma, "embedding": 0.8 if adam else 0.2, "head": 0.05 * sigma,
@@ -120,11 +121,13 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
                       {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
              warmdown=0.3 if adam else 0.0, noise=noise)
   counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
-  what = f"population {population}" + (f" with its direct draws scaled by {direct_scale}" if direct_scale != 1 else "")
+  scaled = [f"its {draws} draws scaled by {x}" for draws, x in (("direct", direct_scale), ("q, k, v", qkv_scale)) if x != 1]
+  what = f"population {population}" + (f" with {' and '.join(scaled)}" if scaled else "")
   if any(c % nrep for c in counts) or r.head % (nrep * 16):  # §3.9, world 1
     raise ValueError(f"{what}: its draw counts don't split into chunks of {nrep} draws (and the head's into 16 slabs of them)")
-  if direct_scale < 1 and 0 in (*r.writers, *r.hidden, *r.hubs, r.embedding):  # a site without draws would never learn
-    raise ValueError(f"{what}: a block or the embedding gets none")
+  # a site without draws would never learn
+  if direct_scale < 1 and 0 in (*r.writers, *r.hidden, *r.hubs, r.embedding): raise ValueError(f"{what}: a block or the embedding gets none")
+  if qkv_scale < 1 and 0 in (c for kind in QKV for c in r.local[kind]): raise ValueError(f"{what}: a block gets no q, k or v draws")
   return r
 
 def forwards(rc:Recipe) -> float:
@@ -479,14 +482,14 @@ def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, T
   Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
 
 def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian", head:str="slabs",
-         direct_scale:float=1.0, rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
+         direct_scale:float=1.0, qkv_scale:float=1.0, rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
   """(the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the recipe for this population,
-  budget, optimizer, noise and direct_scale (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the
+  budget, optimizer, noise, direct_scale and qkv_scale (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the
   captured activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from draws (§3.6), "exact"
   computes them (`head_exact`). devices: split every group's chunks over this many devices. Draws are allocated per parameter
   block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth, so a looped model gets
   them at every loop. Memory: the capture of every depth's activations."""
-  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise, direct_scale)
+  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise, direct_scale=direct_scale, qkv_scale=qkv_scale)
   u = Update(model, x, y, key, rc, rerun, devices)  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)

@@ -103,6 +103,8 @@ def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
     args.vocab = tok.vocab
   return tok
 
+SCALES = ("direct_scale", "qkv_scale")  # Dust's multiples of its recipe's draws: --direct-scale, --qkv-scale
+
 def budget(tokens:int) -> str:
   """Dust's recipe for a run of this many tokens: the release tuned its recipes for 1M and 10M tokens; a run takes the nearer one on a
   log scale (10M above 3.16M)."""
@@ -113,19 +115,23 @@ def takes(method:str) -> set[str]: return set(inspect.signature(ESTIMATORS[metho
 def options(args, tokens:int) -> dict:
   """The flags that the method's estimator takes, by the names of its parameters."""
   flags = {"eps": args.eps, "sigma": args.sigma, "shaping": args.shaping, "rank": args.rank, "devices": args.devices,
-           "optimizer": args.optim, "noise": args.noise, "head": args.head, "direct_scale": args.direct_scale, "budget": budget(tokens)}
+           "optimizer": args.optim, "noise": args.noise, "head": args.head, "direct_scale": args.direct_scale, "qkv_scale": args.qkv_scale,
+           "budget": budget(tokens)}
   return {k: v for k, v in flags.items() if k in takes(args.method)}
 
-def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head or --direct-scale: bytes, Gaussians, slabs, 1
-  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0} | json.load(open(path))
+def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head, --direct-scale or --qkv-scale: bytes, Gaussians, slabs, 1, 1
+  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0, "qkv_scale": 1.0} | json.load(open(path))
 
 def dust_recipe(args, pop:int, tokens:int, model) -> dust.Recipe:
-  """The run's Dust recipe, made before anything is written: a --direct-scale whose counts don't split into chunks stops here."""
-  def make(scale:float) -> dust.Recipe: return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, scale)
-  try: return make(args.direct_scale)
+  """The run's Dust recipe, made before anything is written: a --direct-scale or --qkv-scale whose counts don't split into chunks
+  stops here."""
+  def make(direct:float, qkv:float) -> dust.Recipe:
+    return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, direct_scale=direct, qkv_scale=qkv)
+  try: return make(args.direct_scale, args.qkv_scale)
   except ValueError as e:
-    make(1.0)  # a fault of the population or the optimizer itself is reported as such
-    raise UsageError(f"--direct-scale {args.direct_scale}: {e}") from None
+    make(1.0, 1.0)  # a fault of the population or the optimizer itself is reported as such
+    scales = " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in SCALES if getattr(args, f) != 1)
+    raise UsageError(f"{scales}: {e}") from None
 
 def same_run(flag:str, args, keys:tuple[str, ...]):
   """Check that the run in --out was made with these flags' values: another one is refused, each named as it is typed."""
@@ -154,7 +160,7 @@ def train(args):
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
     same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
-                                "direct_scale"))
+                                *SCALES))
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
     with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
@@ -258,7 +264,7 @@ def cosine_table(args):
     same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
     where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
   if args.method == "dust":
-    for pop in args.pops: dust_recipe(args, pop, args.tokens, model)  # a --direct-scale that doesn't split stops before any work
+    for pop in args.pops: dust_recipe(args, pop, args.tokens, model)  # a scale that doesn't split stops before any work
   x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed, tok).batch("train", 0, args.batch, args.seq))
   print(kernels.path(Device.DEFAULT))
   ref = estimate(model, x, y, "backprop", 1, 0)
@@ -353,6 +359,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--direct-scale", type=float, default=1.0, help="dust: the recipe's direct draws (writers, hidden, hubs, embedding) "
                  "times this, each count still a whole number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the "
                  "recipe's step (docs/dust.md §3.6)")
+  p.add_argument("--qkv-scale", type=float, default=1.0, help="dust: the recipe's draws of the attention's q, k and v times this, "
+                 "each count still a whole number of chunks; 4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.6)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
@@ -378,7 +386,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   for flag, value, ok, need in checks(args):
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{flag.replace('_', '-')} {value}: must be {need}\n")  # one line
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  for flag in ("noise", "head", "direct_scale"):  # Dust's: another method refuses them rather than ignore them
+  for flag in ("noise", "head", *SCALES):  # Dust's: another method refuses them rather than ignore them
     if getattr(args, flag) != p.get_default(flag) and flag not in takes(args.method):
       p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is Dust's: {args.method} does not take it")
   return args
@@ -390,7 +398,7 @@ def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool
                                                                                   "loops", "eval_loops", "devices", "sample", "top_k")]
   return [("pop", min(args.pops), lambda v: v >= 1, "at least 1"), *counts, ("vocab", args.vocab, lambda v: v >= 2, "at least 2"),
           ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"), ("rank", args.rank, lambda v: v >= 0, "0 or more"),
-          *[(f, getattr(args, f), positive, "positive and finite") for f in ("lr", "sigma", "eps", "temperature", "direct_scale")],
+          *[(f, getattr(args, f), positive, "positive and finite") for f in ("lr", "sigma", "eps", "temperature", *SCALES)],
           ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"), ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
 
 def default_device() -> str:

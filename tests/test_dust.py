@@ -102,6 +102,20 @@ def test_direct_scale(setup):
     assert not np.allclose(base[n], twice[n]), n
   np.testing.assert_array_equal(base["lm_head.weight"], twice["lm_head.weight"])
 
+# protects: qkv_scale multiplies the attention internals' q, k and v draws and no others, and reaches the estimator
+def test_qkv_scale(setup):
+  r, r4 = dust.recipe(1024, optimizer="adamw"), dust.recipe(1024, optimizer="adamw", qkv_scale=4)
+  assert r4 == replace(r, local=r.local | {kind: tuple(4 * c for c in r.local[kind]) for kind in ("q", "k", "v")})
+  with pytest.raises(ValueError, match="q, k, v draws scaled by 1.1: its draw counts don't split into chunks of 8"):
+    dust.recipe(1024, optimizer="adamw", qkv_scale=1.1)
+  with pytest.raises(ValueError, match="scaled by 0.2: a block gets no q, k or v draws"):  # 2 x 0.2 q draws a block round to 0
+    dust.recipe(256, optimizer="adamw", qkv_scale=0.2)
+  # as with direct_scale, the kinds' first chunks keep their keys: q, k and v's estimates move, the direct sites' and the gate's don't
+  base, twice = estimate(setup, 64, 1), estimate(setup, 64, 1, qkv_scale=2)
+  for n in ("c_q", "c_k", "c_v"): assert not np.allclose(base[f"transformer.h.1.attn.{n}.weight"], twice[f"transformer.h.1.attn.{n}.weight"]), n
+  for n in ("transformer.h.1.attn.ve_gate.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.wte.weight", "lm_head.weight"):
+    np.testing.assert_array_equal(base[n], twice[n], err_msg=n)
+
 def test_reward_to_go():
   """r_t = sum_{s>=t} gamma^(s-t) c_s, against the sum written out."""
   c = np.random.default_rng(0).standard_normal((3, 2, 12)).astype(np.float32)

@@ -393,29 +393,30 @@ def test_unwritable_checkpoint(runs, tmp_path:Path):
 @pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--lr", "0"), ("--lr", "-1"), ("--sigma", "inf"), ("--eps", "0"), ("--warmdown", "1.5"),
                                          ("--warmdown", "-0.1"), ("--momentum", "1"), ("--top-k", "0"), ("--temperature", "0"), ("--tokens", "0"),
                                          ("--steps", "0"), ("--vocab", "1"), ("--seq", "-5"), ("--rank", "-1"), ("--loops", "0"),
-                                         ("--direct-scale", "0")])
+                                         ("--direct-scale", "0"), ("--qkv-scale", "-1")])
 def test_bad_number(flag:str, value:str, capsys):
   with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", flag, value])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
-# protects: --direct-scale reaches the estimator's options, and one whose counts don't split into chunks stops before anything is
-# written or computed (exit 2, naming the flag), so the same --out takes the corrected command
-def test_direct_scale_flag(tmp_path:Path, capsys):
-  assert zo.options(zo.parse(["--direct-scale", "1.5"]), 10**7)["direct_scale"] == 1.5
-  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--steps", "1", "--out", str(tmp_path / "run")])
+# protects: --direct-scale and --qkv-scale reach the estimator's options, and one whose counts don't split into chunks stops before
+# anything is written or computed (exit 2, naming the flag), so the same --out takes the corrected command
+@pytest.mark.parametrize("flag", ["--direct-scale", "--qkv-scale"])
+def test_scale_flags(flag:str, tmp_path:Path, capsys):
+  assert zo.options(zo.parse([flag, "1.5"]), 10**7)[flag[2:].replace("-", "_")] == 1.5
+  with pytest.raises(SystemExit) as e: zo.main([flag, "1.1", "--steps", "1", "--out", str(tmp_path / "run")])
   err = capsys.readouterr().err
-  assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1: ") and "chunks" in err, err
+  assert e.value.code == 2 and err.startswith(f"zo: error: {flag} 1.1: ") and "chunks" in err, err
   assert not (tmp_path / "run").exists()
-  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--cosine"])  # --cosine stops before its backprop reference
+  with pytest.raises(SystemExit) as e: zo.main([flag, "1.1", "--cosine"])  # --cosine stops before its backprop reference
   err = capsys.readouterr().err
-  assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1: "), err
-  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.5", "--optim", "adamw", "--pop", "100", "--cosine"])
+  assert e.value.code == 2 and err.startswith(f"zo: error: {flag} 1.1: "), err
+  with pytest.raises(SystemExit) as e: zo.main([flag, "2", "--optim", "adamw", "--pop", "100", "--cosine"])
   err = capsys.readouterr().err  # the population is at fault, not the scale: the error says so
   assert e.value.code == 2 and err.startswith("zo: error: Dust's AdamW recipe") and "multiple of 256" in err, err
 
-# protects: --noise, --head and --direct-scale are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
-@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5")])
+# protects: --noise, --head and the scales are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
+@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5"), ("--qkv-scale", "4")])
 def test_dust_flags_are_dusts(flag:str, value:str, capsys):
   with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", "--pop", "1", flag, value])
   err = capsys.readouterr().err
