@@ -89,7 +89,7 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   Gaussian draws, as the release's, or Rademacher (+-1: the same mean and variance, lighter tails, and cheaper to generate).
   `direct_scale` multiplies the direct draws (writers, hidden, hubs, embedding) and nothing else, each count still a whole number
   of chunks: 1.5 with the head's exact errors (`head_exact`) spends about the time that the head's draws took. `qkv_scale` multiplies
-  the attention internals' q, k and v draws, the sites with the lowest cosines (§3.6); neither is the release's."""
+  the attention internals' q, k and v draws (§3.5), each count still a whole number of chunks. Neither scale is the release's."""
   if budget not in SGD_LR: raise ValueError(f"Dust recipes exist for budgets {', '.join(SGD_LR)}, not {budget!r}")
   if optimizer not in ("sgd", "adam", "adamw"): raise ValueError(f"unknown optimizer {optimizer!r}: sgd or adam")
   if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
@@ -106,10 +106,11 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   has_ve = GPTConfig(n_layer=n_layer).has_ve
   lr, momentum = (0.0015, 0.7) if adam else SGD_LR[budget][max(population, 256)]  # P = 64 takes P = 256's settings [S]
   sigma = 2 if adam else 1  # under Adam every jitter is doubled (§3.14)
+  times = {kind: scale * (qkv_scale if kind in QKV else 1) for kind in base[4]}  # each attention kind's multiple of its count
   r = Recipe(population=population, nrep=nrep, writers=writers, hidden=hidden, hubs=hubs, embedding=round(base[3] * direct),
              head=(3 if adam else 4) * population,
-             local={kind: tuple(round(c * scale * (qkv_scale if kind in QKV else 1)) if kind not in ("gate", "ve") or has_ve(l) else 0
-                           for l in range(n_layer)) for kind, c in base[4].items()},
+             local={kind: tuple(round(c * times[kind]) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
+                    for kind, c in base[4].items()},
              gamma=0.99 if base is SGD_16K_10M else 0.98, gamma0=0.3 if adam else 0.0,
              # the record's embedding is 0.8: four times the release's, twice the paper's Adam recipe (§3.14)
              sigma={"writers": 0.2 * sigma, "hidden": 0.2 * sigma, "embedding": 0.8 if adam else 0.2, "head": 0.05 * sigma,

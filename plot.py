@@ -18,12 +18,15 @@ import matplotlib.pyplot as plt
 def metrics(run:str) -> list[dict]:
   with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
 
-def loss_curves(runs:list[str], out:str):
+def loss_curves(runs:list[str], out:str, highlight:str|None=None):
+  """A curve per run; the `highlight` run (--reach's) in black, over the others."""
   fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   for i, run in enumerate(runs):
-    m, label, color = metrics(run), os.path.basename(os.path.normpath(run)), plt.cm.tab20(i % 20)  # the default cycle repeats after 10
-    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label, color=color)
-    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label, color=color)
+    m, label = metrics(run), os.path.basename(os.path.normpath(run))
+    shown = (dict(color="black", linewidth=2, zorder=3) if highlight and os.path.abspath(run) == os.path.abspath(highlight) else
+             dict(color=plt.cm.tab20(i % 20)))  # the default cycle repeats after 10
+    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
+    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
   by_tokens.set(xlabel="tokens", ylabel="val loss (nats)")
   by_time.set(xlabel="seconds (log scale: runs differ by orders of magnitude)", xscale="log")
   for ax in (by_tokens, by_time): ax.grid(alpha=0.3)
@@ -69,6 +72,6 @@ if __name__ == "__main__":
   elif args.runs:
     if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
       p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
-    loss_curves(args.runs, args.out)
+    loss_curves(args.runs, args.out, args.reach)
     if args.reach: print(reach_table(args.runs, args.reach))
   else: p.error("give run folders, or --bench with --reference")

@@ -360,7 +360,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "times this, each count still a whole number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the "
                  "recipe's step (docs/dust.md §3.6)")
   p.add_argument("--qkv-scale", type=float, default=1.0, help="dust: the recipe's draws of the attention's q, k and v times this, "
-                 "each count still a whole number of chunks; 4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.6)")
+                 "each count still a whole number of chunks; 4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.5)")
   p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
   p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
   p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")

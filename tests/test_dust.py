@@ -106,6 +106,8 @@ def test_direct_scale(setup):
 def test_qkv_scale(setup):
   r, r4 = dust.recipe(1024, optimizer="adamw"), dust.recipe(1024, optimizer="adamw", qkv_scale=4)
   assert r4 == replace(r, local=r.local | {kind: tuple(4 * c for c in r.local[kind]) for kind in ("q", "k", "v")})
+  race = dust.recipe(1024, "10M", "adamw", 6, direct_scale=1.5, qkv_scale=4)  # the race's best run (docs/race)
+  assert race.local == {"q": (32,) * 6, "v": (320,) * 6, "gate": (0, 24) * 3, "k": (192,) * 6, "ve": (0, 288) * 3}
   with pytest.raises(ValueError, match="q, k, v draws scaled by 1.1: its draw counts don't split into chunks of 8"):
     dust.recipe(1024, optimizer="adamw", qkv_scale=1.1)
   with pytest.raises(ValueError, match="scaled by 0.2: a block gets no q, k or v draws"):  # 2 x 0.2 q draws a block round to 0

@@ -415,6 +415,28 @@ def test_scale_flags(flag:str, tmp_path:Path, capsys):
   err = capsys.readouterr().err  # the population is at fault, not the scale: the error says so
   assert e.value.code == 2 and err.startswith("zo: error: Dust's AdamW recipe") and "multiple of 256" in err, err
 
+# protects: with both scales given, a fault names both flags, and the recipe's message both scales
+def test_both_scales_named(capsys):
+  with pytest.raises(SystemExit) as e: zo.main(["--direct-scale", "1.1", "--qkv-scale", "1.1", "--cosine"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith("zo: error: --direct-scale 1.1 --qkv-scale 1.1: population "), err
+  assert "its direct draws scaled by 1.1 and its q, k, v draws scaled by 1.1" in err, err
+
+# protects: --resume refuses a Dust run made with other scales, and reads a run from before --qkv-scale as made with 1
+def test_resume_refuses_other_scales(tmp_path:Path, capsys):
+  flags = ["--method", "dust", "--optim", "adamw", "--pop", "256", "--model", "tiny", "--vocab", "32", "--seq", "16", "--out", str(tmp_path)]
+  old = {k: v for k, v in vars(zo.parse([*flags, "--direct-scale", "1.5"])).items() if k != "qkv_scale"}  # before --qkv-scale
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  with pytest.raises(SystemExit) as e: zo.main([*flags, "--direct-scale", "1.5", "--qkv-scale", "4", "--resume"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "was trained with other qkv-scale (qkv-scale=1.0)" in err, err
+  with pytest.raises(SystemExit) as e: zo.main([*flags, "--qkv-scale", "4", "--resume"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "was trained with other direct-scale, qkv-scale (direct-scale=1.5, qkv-scale=1.0)" in err, err
+  with pytest.raises(SystemExit) as e: zo.main([*flags, "--direct-scale", "1.5", "--resume"])  # the same run: on to its checkpoint
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "trained with other" not in err and "no checkpoint" in err, err
+
 # protects: --noise, --head and the scales are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
 @pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5"), ("--qkv-scale", "4")])
 def test_dust_flags_are_dusts(flag:str, value:str, capsys):
