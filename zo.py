@@ -105,6 +105,8 @@ def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
 
 SCALES = ("direct_scale", "qkv_scale")  # Dust's multiples of its recipe's draws: --direct-scale, --qkv-scale
 
+def typed(dest:str) -> str: return dest.replace("_", "-")  # a flag's argparse name as the user types it (less its dashes)
+
 def budget(tokens:int) -> str:
   """Dust's recipe for a run of this many tokens: the release tuned its recipes for 1M and 10M tokens; a run takes the nearer one on a
   log scale (10M above 3.16M)."""
@@ -130,7 +132,7 @@ def dust_recipe(args, pop:int, tokens:int, model) -> dust.Recipe:
   try: return make(args.direct_scale, args.qkv_scale)
   except ValueError as e:
     make(1.0, 1.0)  # a fault of the population or the optimizer itself is reported as such
-    scales = " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in SCALES if getattr(args, f) != 1)
+    scales = " ".join(f"--{typed(f)} {getattr(args, f)}" for f in SCALES if getattr(args, f) != 1)
     raise UsageError(f"{scales}: {e}") from None
 
 def same_run(flag:str, args, keys:tuple[str, ...]):
@@ -139,7 +141,7 @@ def same_run(flag:str, args, keys:tuple[str, ...]):
   if not os.path.exists(path): raise UsageError(f"{flag}: no run in {args.out}")
   old = run_config(path)
   if diff := [k for k in keys if old.get(k) != getattr(args, k)]:
-    flags = [k.replace("_", "-") for k in diff]
+    flags = [typed(k) for k in diff]
     raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
 
 def train(args):
@@ -384,11 +386,11 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
   for flag, value, ok, need in checks(args):
-    if value is not None and not ok(value): p.exit(2, f"zo: error: --{flag.replace('_', '-')} {value}: must be {need}\n")  # one line
+    if value is not None and not ok(value): p.exit(2, f"zo: error: --{typed(flag)} {value}: must be {need}\n")  # one line
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
   for flag in ("noise", "head", *SCALES):  # Dust's: another method refuses them rather than ignore them
     if getattr(args, flag) != p.get_default(flag) and flag not in takes(args.method):
-      p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is Dust's: {args.method} does not take it")
+      p.error(f"--{typed(flag)} {getattr(args, flag)} is Dust's: {args.method} does not take it")
   return args
 
 def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool], str]]:
