@@ -25,6 +25,7 @@ from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import inputs, replicas, shares
 from model import GPTConfig
+from registry import POSITIVE, Defaults, Option, Run, estimator
 import engine
 
 # ***** the recipe: draws, sigmas and optimizer settings per population (docs/dust.md §3.11, §3.14, §4.1) *****
@@ -482,15 +483,45 @@ def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, T
     grads[n] = grads[n] + g if n in grads else g
   Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
 
-def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", budget:str="1M", noise:str="gaussian", head:str="slabs",
+def budget(tokens:int) -> str:
+  """The release tuned its recipes for runs of 1M and 10M tokens: a run takes the nearer one on a log scale (10M above 3.16M)."""
+  return "10M" if tokens > np.sqrt(1e6 * 1e7) else "1M"
+
+def run_recipe(run:Run) -> Recipe:
+  """The run's recipe; a --direct-scale or --qkv-scale whose counts don't split into chunks is named in the error, a fault of the
+  population or the optimizer itself reported as such."""
+  o = run.options
+  def make(direct:float, qkv:float) -> Recipe:
+    return recipe(run.pop, budget(run.tokens), run.optimizer, run.model.n_pblocks, o["noise"], direct_scale=direct, qkv_scale=qkv)
+  try: return make(o["direct_scale"], o["qkv_scale"])
+  except ValueError as e:
+    make(1.0, 1.0)
+    raise ValueError(" ".join(f"--{n.replace('_', '-')} {o[n]}" for n in ("direct_scale", "qkv_scale") if o[n] != 1) + f": {e}") from None
+
+def defaults(run:Run) -> Defaults:  # the recipe's optimizer settings (docs/dust.md §4): its groups' lrs as multiples of its base lr
+  rc = run_recipe(run)
+  return Defaults(lr=rc.lr, momentum=rc.momentum, groups={p: lr / rc.lr for p, lr in rc.group_lr.items()}, warmdown=rc.warmdown)
+
+@estimator("dust", defaults=defaults, check=run_recipe,
+           noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
+           head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
+                       "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),
+           direct_scale=Option("the recipe's direct draws (writers, hidden, hubs, embedding) times this, each count still a whole "
+                               "number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the recipe's "
+                               "step (docs/dust.md §3.6)", check=POSITIVE),
+           qkv_scale=Option("the recipe's draws of the attention's q, k and v times this, each count still a whole number of chunks; "
+                            "4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.5)", check=POSITIVE))
+def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", tokens:int=10**6, noise:str="gaussian", head:str="slabs",
          direct_scale:float=1.0, qkv_scale:float=1.0, rc:Recipe|None=None, rerun:str="block", devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
-  """(the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the recipe for this population,
-  budget, optimizer, noise, direct_scale and qkv_scale (or `rc`). rerun: "block" starts each perturbed pass at the jittered block from the
-  captured activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from draws (§3.6), "exact"
-  computes them (`head_exact`). devices: split every group's chunks over this many devices. Draws are allocated per parameter
-  block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth, so a looped model gets
-  them at every loop. Memory: the capture of every depth's activations."""
-  rc = rc or recipe(pop, budget, optimizer, model.n_pblocks, noise, direct_scale=direct_scale, qkv_scale=qkv_scale)
+  """Per-token node perturbation of the layers' outputs, each weight's gradient the outer product of its outputs' estimated errors
+  with its cached inputs. Returns (the estimate, the clean mean loss of the capture pass): docs/dust.md §3's steps in order, with the
+  recipe for this population,
+  the run's budget of tokens, optimizer, noise, direct_scale and qkv_scale (or `rc`). rerun: "block" starts each perturbed pass at the
+  jittered block from the captured activations (§3.10), "full" reruns the whole model. head: "slabs" estimates the head's errors from
+  draws (§3.6), "exact" computes them (`head_exact`). devices: split every group's chunks over this many devices. Draws are allocated
+  per parameter block (one for the looped model: recipe(..., n_layer=1)); the local attention draws run at every depth, so a looped
+  model gets them at every loop. Memory: the capture of every depth's activations."""
+  rc = rc or recipe(pop, budget(tokens), optimizer, model.n_pblocks, noise, direct_scale=direct_scale, qkv_scale=qkv_scale)
   u = Update(model, x, y, key, rc, rerun, devices)  # the clean capture
   err = direct_draws(u)
   err |= attention_draws(u)

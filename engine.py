@@ -342,20 +342,24 @@ def frozen(structure:Any) -> Any:  # a structure as a hashable key
 
 _jits:dict[tuple, Jit] = {}
 
+def live(v:Any) -> bool: return isinstance(v, (Tensor, UOp))  # a tensor or a bound Variable: data of the call, not of the code
+
 class Function:
   """fn(owner, *inputs, **static) as one Jit per input signature (see `jit`). `release()` frees the last one's own buffers."""
   def __init__(self, fn:Callable, owner:Any, static:dict[str, Any]):
-    self.fn, self.owner, self.static, self.last = fn, owner, static, None
+    self.fn, self.owner, self.last = fn, owner, None
+    self.static = {k: v for k, v in static.items() if not live(v)}
+    self.given = {k: v for k, v in static.items() if live(v)}  # keywords that are tensors: inputs of the JIT, as the positional ones
 
   def __call__(self, *inputs):
     # the inputs' tensors, once each, as the JIT's positional inputs: the replay of whole buffers is for those alone (Jit.whole_inputs)
-    structure, ins, which = flatten(inputs, leaves := []), *distinct(leaves)
+    structure, ins, which = flatten((*inputs, self.given), leaves := []), *distinct(leaves)
     k = (self.fn, id(self.owner), frozen(structure), which, tuple(signature(t) for t in ins), tuple(sorted(self.static.items())))
     if (j := _jits.get(k)) is None:
       fn, owner, static = self.fn, self.owner, self.static
       def call(*ins) -> Any:
-        args = rebuild(structure, [ins[i] for i in which])
-        return fn(*args, **static) if owner is NOBODY else fn(owner, *args, **static)
+        *args, given = rebuild(structure, [ins[i] for i in which])
+        return fn(*args, **static, **given) if owner is NOBODY else fn(owner, *args, **static, **given)
       j = _jits[k] = Jit(call)
     self.last = j
     return j(*ins)
@@ -371,8 +375,10 @@ def jit(fn:Callable, owner:Any=NOBODY, /, **static) -> Function:
   """fn(owner, *inputs, **static), or fn(*inputs, **static) without an owner, captured as a TinyJit at its first call for each input
   signature and kept for the process; later calls replay its kernels. The owner is the object (a model, an optimizer) whose tensors
   fn reads without taking them as inputs: the JIT reads them where they are, so the owner must update them in place. Python values
-  are frozen into a capture, so they are passed as `static` keywords, which key the cache, as the owner's identity does (the JIT's
-  closure keeps the owner alive, so its id is never reused). Inputs may be tensors, bound Variables, and lists and dicts of
+  (a float, a string) are frozen into a capture as constants of its kernels, so they are passed as `static` keywords, which key the
+  cache, as the owner's identity does (the JIT's closure keeps the owner alive, so its id is never reused): a float that changes at
+  every call compiles new kernels at every call. A keyword that is a tensor or a bound Variable is an input like the positional ones,
+  so a value that changes from call to call (a schedule's) is passed as a tensor. Inputs may be tensors, bound Variables, and lists and dicts of
   them, a tensor in several places or views of one buffer among them (`distinct`). Its outputs are the JIT's own buffers, which the
   next call writes again: copy what must outlive it. The capture runs `apart` from the lazy tensors that exist then."""
   return Function(fn, owner, static)
@@ -465,7 +471,7 @@ def mean(fn:Callable, owner, /, *inputs, chunks:range, per_call:int, count:int, 
   would realize them first, 40 ms of a small-preset Dust update's 200 ms of host time (NULL device)."""
   device = next(t.device for t in inputs if isinstance(t, Tensor))
   where = tuple(v.unbind() for v in inputs if isinstance(v, UOp))
-  k = (fn, id(owner), device, tuple(map(tuple, shapes)), per_call, tuple(sorted(static.items())), where)
+  k = (fn, id(owner), device, tuple(map(tuple, shapes)), per_call, tuple(sorted((n, v) for n, v in static.items() if not live(v))), where)
   if (sums := _sums.get(k)) is None: sums = _sums[k] = [empty(*s, device=device) for s in shapes]
   f = jit(summed, owner, fn=fn, per_call=per_call, **static)
   for i, start in enumerate(range(chunks.start, chunks.stop, per_call)):

@@ -1,10 +1,10 @@
-"""The estimators of the gradient g of the mean token loss L(θ), and their registry. README's "The estimators" has the math.
+"""The estimators of the gradient g of the mean token loss L(θ). README's "The estimators" has the math.
 
-Every estimator is a function (model, x, y, pop, key, **options) -> (estimate, mean loss), registered by name with @estimator, so
-that `python zo.py --method NAME` trains with it and the command line passes it the options its signature names (eps, sigma,
-shaping, rank, devices; Dust's optimizer, budget, noise and head). `key` is the step's root key (kernels/noise.py): direction k's noise
-is a pure function of fold(key, k), so an estimate is a key and a coefficient per direction (Compact), which the optimizer turns
-into dense noise where it updates the weights, and nothing of the noise is ever kept.
+Every estimator is a function (model, x, y, pop, key, **options) -> (estimate, mean loss), registered by name with @estimator
+(registry.py: the contract), so that `python zo.py --method NAME` trains with it: its declared options become its flags. `key` is
+the step's root key (kernels/noise.py): direction k's noise is a pure function of fold(key, k), so an estimate is a key and a
+coefficient per direction (Compact), which the optimizer turns into dense noise where it updates the weights, and nothing of the
+noise is ever kept.
 
   mezo      SPSA along K Gaussian directions z_k:   g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k
   es        antithetic evolution strategies:        g = −1/(2σK) Σ_k (f̃_k⁺ − f̃_k⁻) E_k,  f = −L shaped to f̃ (ranks, z-scores or none),
@@ -18,22 +18,12 @@ functions of tensors, they read as the math.
 from __future__ import annotations
 import itertools
 from dataclasses import dataclass
-from typing import Callable
 from tinygrad import Tensor
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import spread
-import dust, engine
-
-ESTIMATORS:dict[str, Callable] = {}
-
-def estimator(name:str, keyed:bool=True) -> Callable[[Callable], Callable]:
-  """Register fn as `--method name`. keyed=False: fn draws no noise, and gets no key (uploading one costs 0.23 ms of host time a step
-  on 2 CPU cores, a tenth of the small preset's backprop step)."""
-  def register(fn:Callable) -> Callable:
-    ESTIMATORS[name], fn.keyed = fn, keyed
-    return fn
-  return register
+from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator
+import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
 class Compact:
@@ -87,11 +77,15 @@ def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:floa
 
 # ***** MeZO and ES *****
 
-def spsa(losses:Tensor, eps:float) -> tuple[Tensor, Tensor]:
+def one_per_device(run:Run, draws:int, unit:str):
+  if run.devices > draws: raise ValueError(f"--devices {run.devices}: every device needs at least one {unit}, and --pop {run.pop} has {draws}")
+
+def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
   """coef_k = (L(θ + εz_k) − L(θ − εz_k)) / (2εK), and the mean loss."""
   return (losses[:, 0] - losses[:, 1]) / (2 * eps * losses.shape[0]), losses.mean()
 
-@estimator("mezo")
+@estimator("mezo", check=lambda run: one_per_device(run, run.pop, "direction"),
+           eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
   losses = population_losses(model, x, y, key, pop, eps, devices=devices)  # [K, 2]
@@ -111,16 +105,20 @@ def es_coefficients(losses:Tensor, sigma:float, shaping:str) -> tuple[Tensor, Te
   f = shape_fitness(-losses.reshape(-1), shaping).reshape(-1, 2)
   return -(f[:, 0] - f[:, 1]) / (2 * sigma * losses.shape[0]), losses.mean()
 
-@estimator("es")
+def pairs(run:Run):
+  if run.pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {run.pop}")
+  one_per_device(run, run.pop // 2, "antithetic pair")
+
+@estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
+           sigma=Option("the perturbation scale σ", check=POSITIVE),
+           shaping=Option("fitness shaping: centred ranks, z-scores or the raw fitness", choices=("rank", "zscore", "none")),
+           rank=Option("0 for full-rank Gaussian noise, r > 0 for EGGROLL's rank-r noise", check=NONNEGATIVE))
 def es(model, x:Tensor, y:Tensor, pop:int, key:Tensor, sigma:float=1e-2, shaping:str="rank", rank:int=0,
        devices:int=1) -> tuple[Compact, Tensor]:
   """Antithetic ES over pop members, K = pop/2 pairs θ ± σE_k: g = −1/(2σK) Σ_k (f̃_k⁺ − f̃_k⁻) E_k."""
-  if pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {pop}")
   losses = population_losses(model, x, y, key, pop // 2, sigma, rank=rank, devices=devices)  # [K, 2]
   coef, loss = engine.jit(es_coefficients, sigma=sigma, shaping=shaping)(losses)
   return Compact(key, coef, rank), loss
-
-estimator("dust")(dust.step)
 
 # ***** backprop: the baseline *****
 
@@ -144,25 +142,28 @@ def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
   Tensor.realize(*[part.assign(t) for part, t in zip(Flat(buf).dense(model.params).values(), grads)])  # each written into its part
   return buf, loss, flat_squares(loss, buf)  # the check's sums here: a JIT of their own cost its host time every step
 
-@estimator("backprop", keyed=False)
+# the release's baseline: under SGD wte's lr is 1000 (it feeds an RMSNorm, so its gradient is tiny)
+@estimator("backprop", keyed=False,
+           defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
-  """The gradient as a Flat, and the mean loss. The buffer is the JIT's own, which its next call writes again (a new one every call
-  made tinygrad rebuild the JIT's CUDA graphs: 4 ms of host time a step at the small preset, NULL device); `estimate` copies it."""
+  """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is the JIT's
+  own, which its next call writes again (a new one every call made tinygrad rebuild the JIT's CUDA graphs: 4 ms of host time a step
+  at the small preset, NULL device); `estimate` copies it."""
   buf, loss, sums = engine.jit(backprop_pass, model)(x, y)
   return Flat(buf, sums), loss
 
 # ***** running one *****
 
-def run(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **options) -> tuple[Compact|Flat|dict[str, Tensor], Tensor]:
-  """(estimate, mean loss) of `method` with the root key of an integer seed."""
+def run(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values) -> tuple[Compact|Flat|dict[str, Tensor], Tensor]:
+  """(estimate, mean loss) of `method` with the root key of an integer seed; `values` are its options and the run's values it names."""
   if method not in ESTIMATORS: raise ValueError(f"unknown method {method!r}: use one of {', '.join(ESTIMATORS)}")
-  fn = ESTIMATORS[method]
-  return fn(model, x, y, pop, root_key(seed) if fn.keyed else None, **options)
+  entry = ESTIMATORS[method]
+  return entry.fn(model, x, y, pop, root_key(seed) if entry.keyed else None, **values)
 
-def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **options) -> dict[str, Tensor]:
+def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values) -> dict[str, Tensor]:
   """The estimate of the gradient of the mean token loss, one tensor per model.params entry, the caller's to keep. Same seed, same
   estimate."""
-  g, _ = run(model, x, y, method, pop, seed, **options)
+  g, _ = run(model, x, y, method, pop, seed, **values)
   if isinstance(g, Flat): g = Flat(g.buf.clone().realize())  # copies of the JITs' own buffers, which their next call writes again
   if isinstance(g, Compact): g = Compact(g.key, g.coef.clone().realize(), g.rank)
   return g.dense(model.params) if isinstance(g, (Compact, Flat)) else g

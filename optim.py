@@ -1,7 +1,7 @@
 """The optimizer: tinygrad's SGD with momentum or AdamW over groups of parameters by learning rate, and momentum replayed from seeds.
 
-An update is one engine.jit function per kind of estimate: a dict of dense tensors (Dust), a Flat buffer (backprop), or a Compact
-estimate (MeZO, ES), made dense inside the update from its key and coefficients: K·D noise values a step for K directions and D
+An update is one engine.jit function per kind of estimate: a dict of dense tensors (Dust's), a Flat buffer (backprop), or a Compact
+estimate (MeZO's, ES's), made dense inside the update from its key and coefficients: K·D noise values a step for K directions and D
 parameters, and never kept.
 """
 from __future__ import annotations
@@ -11,21 +11,12 @@ from kernels import sgd
 from kernels.noise import fold
 from kernels.perturb import combine
 from estimators import Compact, Flat
-import dust, engine
+from registry import Defaults
+import engine
 
-def group_lrs(model, method:str, optim:str, lr:float|None, pop:int, budget:str) -> tuple[dict[str, float], float]:
-  """lr per parameter and the momentum (SGD) or beta1 (AdamW). dust: its recipe (docs/dust.md §4). backprop: the release's baseline,
-  wte at 1000 under SGD (it feeds an RMSNorm, so its gradient is tiny). Others: one group, since weight-space noise is as large
-  on wte as anywhere and a 1000x lr would amplify it. Under AdamW the embeddings get 300x and the scalars 100x the base lr."""
-  if method == "dust":
-    rc = dust.recipe(pop, budget, optim, model.n_pblocks)
-    base = lr or rc.lr
-    return {n: rc.lr_for(n) * base / rc.lr for n in model.params}, rc.momentum
-  base = lr or {("backprop", "sgd"): 0.175, ("mezo", "sgd"): 2e-3, ("es", "sgd"): 1e-4}.get((method, optim), 2e-3)
-  def special(n:str) -> float:
-    if optim == "sgd": return 1000.0 if method == "backprop" and n == "transformer.wte.weight" else base
-    return base * (300 if n.endswith("wte.weight") or n.startswith("value_embeds") else 100 if n.endswith("lambdas") else 1)
-  return {n: special(n) for n in model.params}, {"sgd": 0.98 if method == "backprop" else 0.9, "adamw": 0.8}[optim]
+def learning_rates(params:dict[str, Tensor], d:Defaults, lr:float|None) -> dict[str, float]:
+  """Each parameter's lr: its group's multiple of the base lr, --lr or the estimator's default."""
+  return {n: d.lr_of(n, lr or d.lr) for n in params}
 
 class Optimizer:
   """SGD (m ← μm + g; θ ← θ − lr·m) or AdamW, one per distinct lr, the whole update one JIT. With `replay` W > 0 and SGD, a Compact

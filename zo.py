@@ -1,23 +1,25 @@
 #!/usr/bin/env python3
 """zo: train a network with forward passes only. The command line, the training loop, checkpoints, evaluation and sampling.
 
-The estimators are in estimators.py (MeZO, ES) and dust.py (Dust), the optimizer in optim.py, the models in model.py; README has the
-math. How zo runs fast on tinygrad is in engine.py, and which kernels run where in kernels/__init__.py.
+The estimators are in estimators.py (MeZO, ES) and dust.py (Dust), each declared with its flags and defaults (registry.py), the
+optimizer in optim.py, the models in model.py; README has the math. How zo runs fast on tinygrad is in engine.py, and which kernels
+run where in kernels/__init__.py.
 """
 from __future__ import annotations
-import argparse, contextlib, inspect, json, math, os, signal, sys, time
+import argparse, contextlib, importlib, importlib.util, json, math, os, signal, sys, time
+from dataclasses import replace
 from typing import Any, Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 from tinygrad import Device, Tensor, dtypes
-from kernels.noise import NOISES
 from data import BPE, Bytes
 from devices import names
-from estimators import ESTIMATORS, Compact, Flat, estimate, run
-from optim import Optimizer, group_lrs
-import dust, engine, kernels
+from estimators import Compact, Flat, estimate, run  # estimators.py registers MeZO, ES, backprop and (dust.py) Dust
+from optim import Optimizer, learning_rates
+from registry import ESTIMATORS, Entry, Run
+import engine, kernels
 
 # ***** training: checkpoints, evaluation, the loop *****
 
@@ -103,46 +105,36 @@ def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
     args.vocab = tok.vocab
   return tok
 
-SCALES = ("direct_scale", "qkv_scale")  # Dust's multiples of its recipe's draws: --direct-scale, --qkv-scale
-
 def typed(dest:str) -> str: return dest.replace("_", "-")  # a flag's argparse name as the user types it (less its dashes)
 
-def budget(tokens:int) -> str:
-  """Dust's recipe for a run of this many tokens: the release tuned its recipes for 1M and 10M tokens; a run takes the nearer one on a
-  log scale (10M above 3.16M)."""
-  return "10M" if tokens > math.sqrt(1e6 * 1e7) else "1M"
+def plan(args, model) -> Run:
+  """The run as its estimator's defaults and checks see it."""
+  steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
+  entry = ESTIMATORS[args.method]
+  return Run(model, args.pop, args.optim, steps * args.batch * args.seq, steps, args.devices, {o: getattr(args, o) for o in entry.options})
 
-def takes(method:str) -> set[str]: return set(inspect.signature(ESTIMATORS[method]).parameters)  # the options an estimator names
+def values(entry:Entry, run:Run) -> dict[str, Any]:
+  """What the loop passes to the estimator at every step: its options, and the run's values that it names (registry.py)."""
+  given = {"steps": run.steps, "tokens": run.tokens, "optimizer": run.optimizer, "devices": run.devices}
+  return run.options | {k: v for k, v in given.items() if k in entry.takes}
 
-def options(args, tokens:int) -> dict:
-  """The flags that the method's estimator takes, by the names of its parameters."""
-  flags = {"eps": args.eps, "sigma": args.sigma, "shaping": args.shaping, "rank": args.rank, "devices": args.devices,
-           "optimizer": args.optim, "noise": args.noise, "head": args.head, "direct_scale": args.direct_scale, "qkv_scale": args.qkv_scale,
-           "budget": budget(tokens)}
-  return {k: v for k, v in flags.items() if k in takes(args.method)}
+def at_step(entry:Entry, step:int) -> dict[str, Tensor]:
+  """The step, for an estimator that names it: a float32 scalar in a buffer of its own, so that a schedule computed from it is data of
+  the kernels, not a constant compiled into them."""
+  return {"step": engine.tensor(np.array(step, np.float32))} if "step" in entry.takes else {}
 
-def run_config(path:str) -> dict:  # a run from before --tokenizer, --noise, --head, --direct-scale or --qkv-scale: bytes, Gaussians, slabs, 1, 1
-  return {"tokenizer": "bytes", "noise": "gaussian", "head": "slabs", "direct_scale": 1.0, "qkv_scale": 1.0} | json.load(open(path))
-
-def dust_recipe(args, pop:int, tokens:int, model) -> dust.Recipe:
-  """The run's Dust recipe, made before anything is written: a --direct-scale or --qkv-scale whose counts don't split into chunks
-  stops here."""
-  def make(direct:float, qkv:float) -> dust.Recipe:
-    return dust.recipe(pop, budget(tokens), args.optim, model.n_pblocks, args.noise, direct_scale=direct, qkv_scale=qkv)
-  try: return make(args.direct_scale, args.qkv_scale)
-  except ValueError as e:
-    make(1.0, 1.0)  # a fault of the population or the optimizer itself is reported as such
-    scales = " ".join(f"--{typed(f)} {getattr(args, f)}" for f in SCALES if getattr(args, f) != 1)
-    raise UsageError(f"{scales}: {e}") from None
+def run_config(path:str) -> dict:  # a run from before --tokenizer: bytes
+  return {"tokenizer": "bytes"} | json.load(open(path))
 
 def same_run(flag:str, args, keys:tuple[str, ...]):
   """Check that the run in --out was made with these flags' values: another one is refused, each named as it is typed."""
   path = os.path.join(args.out, "config.json")
   if not os.path.exists(path): raise UsageError(f"{flag}: no run in {args.out}")
-  old = run_config(path)
-  if diff := [k for k in keys if old.get(k) != getattr(args, k)]:
+  old, entry = run_config(path), ESTIMATORS[args.method]
+  def was(k:str) -> Any: return old.get(k, entry.default(k) if k in entry.options else None)  # an option from before it: its default
+  if diff := [k for k in keys if was(k) != getattr(args, k)]:
     flags = [typed(k) for k in diff]
-    raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
+    raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={was(k)}' for f, k in zip(flags, diff))})")
 
 def train(args):
   from data import load
@@ -150,19 +142,18 @@ def train(args):
   model = make_model(args)
   if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed, tok)
-  steps = args.steps or max(1, args.tokens // (args.batch * args.seq))
-  tokens = steps * args.batch * args.seq
-  lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop, budget(tokens))
-  opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
-  warmdown = dust_recipe(args, args.pop, tokens, model).warmdown if args.method == "dust" else 0.0
-  if args.warmdown is not None: warmdown = args.warmdown
+  entry, job = ESTIMATORS[args.method], plan(args, model)
+  if entry.check: entry.check(job)  # a run the estimator can't do stops before anything is written
+  steps, d = job.steps, entry.defaults_for(job)
+  opt = Optimizer(model.params, learning_rates(model.params, d, args.lr), args.optim, d.momentum if args.momentum is None else args.momentum,
+                  args.replay)
+  warmdown = d.warmdown if args.warmdown is None else args.warmdown
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   if args.resume:
-    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
-                                *SCALES))
+    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "replay", "tokenizer", *entry.options))
     start = resume(args.out, model, opt)
     keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
     with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
@@ -184,8 +175,9 @@ def train(args):
   for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, lambda signum, _: stop.append(signum))
   val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
-  opts = options(args, tokens)
-  def estimate(x:Tensor, y:Tensor, step:int): return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
+  opts = values(entry, job)
+  def estimate(x:Tensor, y:Tensor, step:int):
+    return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts, **at_step(entry, step))
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
   work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
   with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
@@ -265,12 +257,14 @@ def cosine_table(args):
   if flag:
     same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
     where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
-  if args.method == "dust":
-    for pop in args.pops: dust_recipe(args, pop, args.tokens, model)  # a scale that doesn't split stops before any work
+  entry, job = ESTIMATORS[args.method], plan(args, model)
+  for pop in args.pops:  # a run the estimator can't do stops before any work
+    if entry.check: entry.check(replace(job, pop=pop))
   x, y = map(Tensor, load(args.data, model.cfg.vocab, args.seq, args.seed, tok).batch("train", 0, args.batch, args.seq))
   print(kernels.path(Device.DEFAULT))
   ref = estimate(model, x, y, "backprop", 1, 0)
-  rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **options(args, args.tokens)), ref) for pop in args.pops}
+  rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **values(entry, replace(job, pop=pop)),
+                                **at_step(entry, 0)), ref) for pop in args.pops}
   types = list(next(iter(rows.values())))
   print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}, at {where}\n" + f"{'pop':>7} " +
         " ".join(f"{t:>8}" for t in types))
@@ -330,11 +324,12 @@ def sample(args):
 # ***** the command line *****
 
 def parse(argv:list[str]|None=None) -> argparse.Namespace:
+  plugins(argv)
   p = argparse.ArgumentParser(description="Train a GPT with forward passes only (zeroth-order estimators).",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--method", default="dust", choices=tuple(ESTIMATORS), help="gradient estimator (estimators.py); backprop is the reference baseline")
-  p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: directions (mezo), members (es), the recipe's "
-                 "population (dust: 64, 256, 1024, 4096 or 16384 under SGD; a multiple of 256 under AdamW); several values only with --cosine")
+  p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: the draws of a step (the method's directions, members "
+                 "or recipe's population); several values only with --cosine")
   p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"), help="default: tiny on the CPU, small on a GPU")
   p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (default: the preset's; on the CPU "
                  "with --data synthetic, 32)")
@@ -353,20 +348,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
   p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
   p.add_argument("--warmdown", type=float, default=None, help="fraction of the steps at the end over which the lr falls linearly to 0 "
-                 "(default: 0.3 for Dust under AdamW, the Noise record's schedule; else 0)")
-  p.add_argument("--noise", default="gaussian", choices=tuple(NOISES), help="dust: the distribution of every draw "
-                 "(Rademacher: +-1, the same mean and variance)")
-  p.add_argument("--head", default="slabs", choices=("slabs", "exact"), help="dust: the head's per-token errors estimated from draws on "
-                 "slabs of the logits (the release's), or exact: softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)")
-  p.add_argument("--direct-scale", type=float, default=1.0, help="dust: the recipe's direct draws (writers, hidden, hubs, embedding) "
-                 "times this, each count still a whole number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the "
-                 "recipe's step (docs/dust.md §3.6)")
-  p.add_argument("--qkv-scale", type=float, default=1.0, help="dust: the recipe's draws of the attention's q, k and v times this, "
-                 "each count still a whole number of chunks; 4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.5)")
-  p.add_argument("--sigma", type=float, default=1e-2, help="es: perturbation scale")
-  p.add_argument("--eps", type=float, default=1e-3, help="mezo: perturbation scale")
-  p.add_argument("--rank", type=int, default=0, help="es: 0 for full-rank Gaussian noise, r > 0 for EGGROLL rank-r noise")
-  p.add_argument("--shaping", default="rank", choices=("rank", "zscore", "none"), help="es: fitness shaping")
+                 "(default: the method's)")
   p.add_argument("--replay", type=int, default=0, help="mezo/es under SGD: 0 keeps a momentum buffer; W > 0 keeps no buffer but the "
                  "last W steps' seeds, and replays the momentum from them")
   p.add_argument("--seed", type=int, default=0)
@@ -383,24 +365,68 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--prompt", default="\n", help="--sample: the text to continue (default: %(default)r)")
   p.add_argument("--temperature", type=float, default=1.0, help="--sample: divides the logits before the softmax")
   p.add_argument("--top-k", type=int, default=None, help="--sample: draw from the k likeliest tokens only; None: from all")
+  p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE", help="a file or module of your own estimators, "
+                 "imported before the flags are read, so that its methods and their flags are there (docs/estimator.md)")
+  option_flags(p)
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
   for flag, value, ok, need in checks(args):
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{typed(flag)} {value}: must be {need}\n")  # one line
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  for flag in ("noise", "head", *SCALES):  # Dust's: another method refuses them rather than ignore them
-    if getattr(args, flag) != p.get_default(flag) and flag not in takes(args.method):
-      p.error(f"--{typed(flag)} {getattr(args, flag)} is Dust's: {args.method} does not take it")
+  return method_options(p, args)
+
+def option_flags(p:argparse.ArgumentParser):
+  """A flag for every option of every estimator, in a group per method (--help). An option that several methods declare is one flag,
+  in the first one's group. No default here: the method's own fills in a flag not given, and a given flag the method doesn't take is
+  refused (method_options)."""
+  declared:dict[str, list[Entry]] = {}
+  for e in ESTIMATORS.values():
+    for o in e.options: declared.setdefault(o, []).append(e)
+  groups = {}
+  for name, e in ESTIMATORS.items():
+    doc = " ".join((e.fn.__doc__ or "").split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
+    takes = ", ".join(f"--{typed(o)}" for o in e.options) or "no options"
+    groups[name] = p.add_argument_group(f"--method {name}", f"{doc}. Takes {takes}.")
+  for o, es in declared.items():
+    first, opt = es[0], es[0].options[o]
+    helps = [f"{e.name}: {e.options[o].help} (default: {e.default(o)})" for e in es]
+    groups[first.name].add_argument(f"--{typed(o)}", dest=o, type=type(first.default(o)), choices=opt.choices, default=argparse.SUPPRESS,
+                                    help="; ".join(helps))
+
+def method_options(p:argparse.ArgumentParser, args:argparse.Namespace) -> argparse.Namespace:
+  """args with the method's options (given, or the method's defaults) and no other method's; a flag the method doesn't take is
+  refused in one line, with what it takes."""
+  entry = ESTIMATORS[args.method]
+  declared = {o for e in ESTIMATORS.values() for o in e.options}
+  for o in sorted(declared & vars(args).keys() - entry.options.keys()):
+    takes = ", ".join(f"--{typed(t)}" for t in entry.options) or "no options"
+    p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: --method {args.method} does not take --{typed(o)} (it takes {takes})\n")
+  for o, opt in entry.options.items():
+    if o not in args: setattr(args, o, entry.default(o))
+    elif opt.check and not opt.check[0](getattr(args, o)): p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: must be {opt.check[1]}\n")
   return args
 
+def plugins(argv:list[str]|None) -> None:
+  """Import each --plugin before the parser is made: its @estimator declarations add methods and flags."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--plugin", action="append", default=[])
+  for spec in pre.parse_known_args(argv)[0].plugin:
+    if spec.endswith(".py"):
+      if not os.path.isfile(spec): pre.exit(2, f"zo: error: --plugin {spec}: no such file\n")
+      mod = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(spec))[0], spec)
+      mod.loader.exec_module(importlib.util.module_from_spec(mod))
+    else:
+      try: importlib.import_module(spec)
+      except ModuleNotFoundError as e: pre.exit(2, f"zo: error: --plugin {spec}: {e}\n")
+
 def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool], str]]:
-  """Every numeric flag, its value (None: not given) and what it must be."""
-  def positive(v) -> bool: return math.isfinite(v) and v > 0
+  """Every numeric flag of the run, its value (None: not given) and what it must be; the estimators' own are checked by their
+  Options."""
   counts = [(f, getattr(args, f), lambda v: v >= 1, "at least 1") for f in ("batch", "eval_every", "ckpt_every", "steps", "tokens", "seq",
                                                                                   "loops", "eval_loops", "devices", "sample", "top_k")]
   return [("pop", min(args.pops), lambda v: v >= 1, "at least 1"), *counts, ("vocab", args.vocab, lambda v: v >= 2, "at least 2"),
-          ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"), ("rank", args.rank, lambda v: v >= 0, "0 or more"),
-          *[(f, getattr(args, f), positive, "positive and finite") for f in ("lr", "sigma", "eps", "temperature", *SCALES)],
+          ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"),
+          *[(f, getattr(args, f), lambda v: math.isfinite(v) and v > 0, "positive and finite") for f in ("lr", "temperature")],
           ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"), ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
 
 def default_device() -> str:
@@ -409,14 +435,11 @@ def default_device() -> str:
                                      "or run on a GPU with DEV=CUDA / DEV=AMD / DEV=METAL") from None
 
 def check_devices(args:argparse.Namespace):
-  """--devices N: N devices of the default backend (DEV, DEV:1, ...), each with at least one direction (mezo) or pair (es); Dust
-  splits each group's chunks, and a device whose share of a small group is empty sits that group out."""
+  """--devices N: N devices of the default backend (DEV, DEV:1, ...), for a method that names `devices` (its check says how many its
+  population can use)."""
   n = args.devices
   if n == 1: return
-  if "devices" not in takes(args.method): raise UsageError(f"--devices {n}: {args.method} runs on one device")
-  if args.method != "dust" and n > (draws := min(args.pops) // (2 if args.method == "es" else 1)):
-    unit = "antithetic pair" if args.method == "es" else "direction"
-    raise UsageError(f"--devices {n}: every device needs at least one {unit}, and --pop {min(args.pops)} has {draws}")
+  if "devices" not in ESTIMATORS[args.method].takes: raise UsageError(f"--devices {n}: {args.method} runs on one device")
   for d in names(Device.DEFAULT, n):
     try: Device[d]
     except Exception as e: raise UsageError(f"--devices {n}: {d} does not open ({type(e).__name__}: {e})") from None

@@ -29,6 +29,7 @@ from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
+from registry import ESTIMATORS
 import dust, engine, estimators, optim, zo
 
 PEAK = [0]
@@ -124,8 +125,8 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
   steps are at least n and fill about `fill` seconds, sized by one step: three steps of the small preset's backprop (~2 ms each) varied
   by 20% between runs (H200)."""
-  lrs, mom = optim.group_lrs(model, method, "sgd", None, pop, "1M")
-  opt, step = optim.Optimizer(model.params, lrs, "sgd", mom, 0), [0]
+  d = ESTIMATORS[method].defaults_for(ESTIMATORS[method].run(model, pop))
+  opt, step = optim.Optimizer(model.params, optim.learning_rates(model.params, d, None), "sgd", d.momentum, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
   def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts)
   def run():

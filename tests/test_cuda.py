@@ -103,10 +103,11 @@ from tinygrad import Context, Device, Tensor, dtypes
 from kernels.cuda import PRELUDE
 from kernels.sgd import source
 from model import GPT, GPTConfig
-import optim
+from registry import ESTIMATORS
+import estimators, optim  # noqa: F401  estimators registers backprop
 model = GPT(GPTConfig.preset("small", n_layer=2), dtype=dtypes.half)
-lrs, mu = optim.group_lrs(model, "backprop", "sgd", None, 1, "1M")
-opt = optim.Optimizer(model.params, lrs, "sgd", mu, 0)
+d = ESTIMATORS["backprop"].defaults_for(ESTIMATORS["backprop"].run(model, 1))
+opt = optim.Optimizer(model.params, optim.learning_rates(model.params, d, None), "sgd", d.momentum, 0)
 buf, scale, out = Tensor.zeros(model.num_params()).contiguous().realize(), Tensor([1.0]).realize(), io.StringIO()
 with contextlib.redirect_stdout(out), Context(DEBUG=2): optim.flat_update(opt, buf, scale)
 Device[Device.DEFAULT].renderer.compiler.compile(PRELUDE + source("sgd", [3000, 5], [3, 3003], [1, 0], 0.98))  # the NULL device compiles none

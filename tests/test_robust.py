@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from registry import ESTIMATORS
 import zo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -395,7 +396,8 @@ def test_unwritable_checkpoint(runs, tmp_path:Path):
                                          ("--steps", "0"), ("--vocab", "1"), ("--seq", "-5"), ("--rank", "-1"), ("--loops", "0"),
                                          ("--direct-scale", "0"), ("--qkv-scale", "-1")])
 def test_bad_number(flag:str, value:str, capsys):
-  with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", flag, value])
+  method = next((e.name for e in ESTIMATORS.values() if flag[2:].replace("-", "_") in e.options), "mezo")  # one that takes the flag
+  with pytest.raises(SystemExit) as e: zo.parse(["--method", method, flag, value])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} {value}") and len(err.strip().splitlines()) == 1, err
 
@@ -403,7 +405,7 @@ def test_bad_number(flag:str, value:str, capsys):
 # anything is written or computed (exit 2, naming the flag), so the same --out takes the corrected command
 @pytest.mark.parametrize("flag", ["--direct-scale", "--qkv-scale"])
 def test_scale_flags(flag:str, tmp_path:Path, capsys):
-  assert zo.options(zo.parse([flag, "1.5"]), 10**7)[flag[2:].replace("-", "_")] == 1.5
+  assert getattr(zo.parse([flag, "1.5"]), flag[2:].replace("-", "_")) == 1.5
   with pytest.raises(SystemExit) as e: zo.main([flag, "1.1", "--steps", "1", "--out", str(tmp_path / "run")])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith(f"zo: error: {flag} 1.1: ") and "chunks" in err, err
@@ -437,9 +439,19 @@ def test_resume_refuses_other_scales(tmp_path:Path, capsys):
   err = capsys.readouterr().err
   assert e.value.code == 2 and "trained with other" not in err and "no checkpoint" in err, err
 
-# protects: --noise, --head and the scales are Dust's: another method refuses them up front (exit 2, naming the flag) instead of ignoring them
-@pytest.mark.parametrize("flag,value", [("--noise", "rademacher"), ("--head", "exact"), ("--direct-scale", "1.5"), ("--qkv-scale", "4")])
-def test_dust_flags_are_dusts(flag:str, value:str, capsys):
-  with pytest.raises(SystemExit) as e: zo.parse(["--method", "mezo", "--pop", "1", flag, value])
-  err = capsys.readouterr().err
-  assert e.value.code == 2 and f"{flag} {value}" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+# protects: the command line is the registry's: every option of every estimator is a flag that its methods take (the value reaches
+# args) and every other method refuses in one line that names the flag and the method and lists what the method takes (exit 2)
+def test_flags_the_method_does_not_take(capsys):
+  declared = {o: e for e in reversed(ESTIMATORS.values()) for o in e.options}  # each option, and the first method that declares it
+  assert {"eps", "sigma", "shaping", "rank", "noise", "head", "direct_scale", "qkv_scale"} <= declared.keys()
+  for method, entry in ESTIMATORS.items():
+    for o, owner in declared.items():
+      value = (owner.options[o].choices or [owner.default(o)])[0]
+      flag = f"--{o.replace('_', '-')}"
+      if o in entry.options:
+        assert getattr(zo.parse(["--method", method, flag, str(value)]), o) == value
+        continue
+      with pytest.raises(SystemExit) as e: zo.parse(["--method", method, flag, str(value)])
+      err = capsys.readouterr().err
+      takes = ", ".join(f"--{t.replace('_', '-')}" for t in entry.options) or "no options"
+      assert e.value.code == 2 and err == f"zo: error: {flag} {value}: --method {method} does not take {flag} (it takes {takes})\n", err

@@ -5,7 +5,7 @@ estimator, the CLI, and the looped model's ZO memory against its loop count.
 Cost: tinygrad on a 2-core CPU spends seconds compiling each new kernel structure, so the in-process tests share one 1-block model
 (6,178 parameters) and one batch, and the CLI runs (fresh processes that compile everything again) start in the background when the
 module starts, so that they use the core that the in-process tests leave idle."""
-import functools, itertools, json, math, os, re, signal, subprocess, sys
+import itertools, json, math, os, re, signal, subprocess, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
@@ -16,6 +16,7 @@ from kernels.noise import fold, gaussian, key as root_key
 from kernels.perturb import Population, combine
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import data
+import tinygrad.engine.realize
 import engine, estimators, optim, zo
 
 CFG = GPTConfig(vocab=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
@@ -111,21 +112,31 @@ def test_no_autograd_in_zo_paths(setup, monkeypatch):
 # perturbation); the bands of K = 4, 64, 512 don't overlap there (D = 5,122: law 0.028, 0.111, 0.302), so the cosine rises with K.
 KEYS = {4: 24, 64: 2, 512: 1}
 
-@pytest.fixture(scope="module")
-def tutorial() -> str:
-  """The estimator of docs/estimator.md, registered by running exactly the code shown there: one-sided SPSA, whose cosine follows the
-  same law (its O(ε) bias, at ε = 1e-3, is far below the law's band)."""
-  blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs/estimator.md").read_text(), re.S)
-  assert len(blocks) == 1
-  exec(blocks[0], {})
-  return "spsa1"
+PAGE = re.findall(r"```python\n(.*?)```", (ROOT / "docs/estimator.md").read_text(), re.S)  # docs/estimator.md's code, as shown
 
-@pytest.mark.parametrize("method, net", [("mezo", "setup"), ("es", "setup"), ("es", "looped"), ("tutorial", "setup")])
+@pytest.fixture(scope="module")
+def page() -> list[str]:
+  """The estimators of docs/estimator.md, registered by running exactly the code shown there: one-sided SPSA and two-sided SPSA with
+  a decaying ε, whose cosines follow SPSA's law (their O(ε) bias, at ε = 1e-3, is far below the law's band), and sign-MeZO."""
+  assert len(PAGE) == 3
+  for block in PAGE: exec(block, {})
+  return [re.search(r'@estimator\("(\w+)"', b).group(1) for b in PAGE]
+
+def at_step(method:str, step:int) -> dict: return zo.at_step(estimators.ESTIMATORS[method], step)  # as the training loop passes it
+
+def signed(K:int, D:int) -> float:
+  """sign-MeZO's cosine law: g_hat = (1/K) sum_k s_k z_k, s_k = sign(z_k.g), so E[g_hat.g] = |g| sqrt(2/pi) and E|g_hat|^2 =
+  D/K + (2/pi)(K-1)/K (distinct directions' terms have E[s_j z_j].E[s_k z_k] = 2/pi)."""
+  return math.sqrt(2 / math.pi) / math.sqrt(D / K + 2 / math.pi * (K - 1) / K)
+
+@pytest.mark.parametrize("method, net", [("mezo", "setup"), ("es", "setup"), ("es", "looped"), *[(f"page{i}", "setup") for i in range(3)]])
 def test_spsa_law(method:str, net:str, request, monkeypatch):
   # an estimator with a wrong direction/coefficient pairing, too few or correlated directions, or a wrong scale breaks this (es on the
-  # looped model too: the cosine must rise with the population as on a plain model; and the docs' one-sided SPSA)
+  # looped model too: the cosine must rise with the population as on a plain model; and the docs' three estimators, sign-MeZO by its
+  # own law: its g_hat.g/|g| is the mean of |N(0, 1)| over the directions, sqrt(2/pi) +- 0.022 at 736 directions)
   model, x, y, true = request.getfixturevalue(net)
-  if method == "tutorial": method = request.getfixturevalue("tutorial")
+  if method.startswith("page"): method = request.getfixturevalue("page")[int(method[4:])]
+  sign = method == "signmezo"
   monkeypatch.setattr(estimators, "TOKENS", 4 * x.numel())  # 4 pairs a forward at every K: one forward compiled, not one per K (chunks
                                                     # leave the estimate as it is: test_estimate_pinned_chunked_or_not)
   names, gv = list(model.params), flat(true, model.params)
@@ -136,14 +147,14 @@ def test_spsa_law(method:str, net:str, request, monkeypatch):
     for key in range(n):
       if method == "mezo": g = flat(estimators.estimate(model, x, y, "mezo", K, 100 + key), names)
       elif method == "es": g = flat(estimators.estimate(model, x, y, "es", 2 * K, 200 + key, shaping="none"), names)
-      else: g = flat(estimators.estimate(model, x, y, method, K, 300 + key), names)
+      else: g = flat(estimators.estimate(model, x, y, method, K, 300 + key, **at_step(method, 0)), names)
       cos.append(g @ gv / (np.linalg.norm(g) * np.linalg.norm(gv)))
-      proj, dirs = proj + K * (g @ gv) / (gv @ gv), dirs + K
-    rows[K] = (float(np.mean(cos)), math.sqrt(K / (K + D)))
+      proj, dirs = proj + K * (g @ gv) / (gv @ (gv if not sign else gv / np.linalg.norm(gv))), dirs + K
+    rows[K] = (float(np.mean(cos)), signed(K, D) if sign else math.sqrt(K / (K + D)))
   msg = f"{method} on {net}, D={D}: " + ", ".join(f"K={K}: cos {c:.4f} law {law:.4f}" for K, (c, law) in rows.items()) + \
-        f"; g_hat.g/|g|^2 {proj / dirs:.3f}"
+        f"; g_hat.g/|g|{'' if sign else '^2'} {proj / dirs:.3f}"
   assert all(abs(c / law - 1) < 0.3 for c, law in rows.values()), msg
-  assert abs(proj / dirs - 1) < 0.2, msg
+  assert abs(proj / dirs / (math.sqrt(2 / math.pi) if sign else 1) - 1) < 0.2, msg
 
 def test_es_population_change_on_one_model(setup):
   # es's jitted population forward must be keyed on the population: `--cosine --pop 8 128 --method es` runs es twice on one model
@@ -329,36 +340,49 @@ def train_val(method:str, pop:int, lr:float, flip:bool, steps:int=40, **opts) ->
   before = val_loss()
   for step in range(steps):
     x, y = map(Tensor, src.batch("train", step, B, T))
-    g, _ = estimators.run(model, x, y, method, pop, step, **opts)
+    g, _ = estimators.run(model, x, y, method, pop, step, **opts, **at_step(method, step))
     opt.step(estimators.Compact(g.key, -g.coef, g.rank) if flip else g)
   return before, val_loss()
 
 # lrs from a sweep at 40 steps (two key streams each): the defaults (0.05) diverge on this model (the val loss climbs past 7);
 # mezo pop 16: 0.003 lowers it by ~0.03, 0.01 by 0.04-0.10, 0.03 diverges; es pop 32 (rank shaping, coefficients ~1/(pop sigma)):
 # 1e-4 by ~0.03, 3e-4 by 0.04-0.11, 1e-3 diverges. So each runs at a third of its divergence lr.
-@pytest.mark.parametrize("method, pop, lr", [("mezo", 16, 1e-2), ("es", 32, 3e-4), ("tutorial", 16, 1e-2)])
+@pytest.mark.parametrize("method, pop, lr", [("mezo", 16, 1e-2), ("es", 32, 3e-4), *[(f"page{i}", 16, 1e-2) for i in range(3)]])
 def test_training_lowers_val_loss(method:str, pop:int, lr:float, request):
   # an estimator that points uphill, or carries no gradient signal (pure noise also raises the loss, through the curvature), fails
   # The val batches are fixed, so the val loss has no sampling noise. To first order a step moves it by -lr g.g_hat, to second order by
   # +lr^2/2 g_hat.H.g_hat for either sign: the flipped run must rise, the true one fall by a margin, 0.01 nats (0.25% of ln 64).
-  # docs/estimator.md's one-sided SPSA has MeZO's scale, so it runs at MeZO's lr.
-  if method == "tutorial": method = request.getfixturevalue("tutorial")
+  # docs/estimator.md's SPSAs have MeZO's scale, so they run at MeZO's lr. Sign-MeZO's |g_hat|^2 ~ D/K where MeZO's is |g|^2 (D + K)/K,
+  # so at |g| times MeZO's lr its steps have MeZO's length but sqrt(2/pi) of its first-order gain: measured there, a gain of 0.064 and a
+  # curvature term of 0.055 (half the true and flipped runs' sum and difference). Half that lr halves the gain and quarters the
+  # curvature term (|g| at the setup's initial weights, which are these).
+  if method.startswith("page"): method = request.getfixturevalue("page")[int(method[4:])]
+  if method == "signmezo": lr *= np.linalg.norm(flat(true := request.getfixturevalue("setup")[3], list(true))) / 2
   b0, a0 = train_val(method, pop, lr, flip=False)
   b1, a1 = train_val(method, pop, lr, flip=True)
   assert b0 == b1 and b0 - a0 > 0.01 and b1 - a1 < 0, f"{method}: val {b0:.4f} -> {a0:.4f}, flipped -> {a1:.4f}"
 
-def test_tutorial_estimator_on_the_command_line(tutorial, tmp_path, monkeypatch):
-  # `python zo.py --method spsa1` must train with the registered estimator, its --eps reaching it: a registry that the command line
-  # doesn't read, or options passed by the wrong names, fails here
+def test_page_plugin_flags_and_schedule(page, tmp_path, monkeypatch):
+  # docs/estimator.md's estimators as a --plugin file: `python zo.py --plugin my_estimators.py --method spsa2 --decay 0.2` must train
+  # with it, its flags reaching it and the step reaching it as a tensor; and its schedule eps_t must compile nothing after the first
+  # steps: a step passed as an int (eps_t a float: a constant of the kernels, a key of engine.jit's captures) compiles new kernels at
+  # every step, which the counts of lowered programs and captured JITs see
   monkeypatch.setattr(signal, "signal", lambda *a: None)  # zo.main's Ctrl-C handler would outlive the run in this process
-  real, seen = estimators.ESTIMATORS[tutorial], []
-  def spy(*a, **kw):  # the steps' calls: not the first step's dry run (engine.compile_ahead), which traces it to compile its kernels
-    if engine.AHEAD is None: seen.append(kw)
+  (plugin := tmp_path / "my_estimators.py").write_text("\n".join(PAGE))
+  real, seen, counts = zo.run, [], []
+  def spy(*a, **kw):
+    counts.append((len(tinygrad.engine.realize.to_program_cache), len(engine._jits)))
+    seen.append({k: v.item() if isinstance(v, Tensor) else v for k, v in kw.items()})
     return real(*a, **kw)
-  monkeypatch.setitem(estimators.ESTIMATORS, tutorial, functools.wraps(real)(spy))
-  zo.main(["--method", tutorial, "--pop", "4", "--eps", "2e-3", "--model", "tiny", "--vocab", "64", "--seq", str(T), "--batch", str(B),
-           "--steps", "2", "--out", str(tmp_path)])
-  assert seen == [{"eps": 2e-3}] * 2 and [r["step"] for r in metrics(tmp_path)] == [0, 1]
+  monkeypatch.setattr(zo, "run", spy)
+  zo.main(["--plugin", str(plugin), "--method", "spsa2", "--pop", "4", "--eps", "2e-3", "--decay", "0.2", "--model", "tiny", "--vocab", "64",
+           "--seq", str(T), "--batch", str(B), "--steps", "10", "--out", str(tmp_path / "run")])
+  end = (len(tinygrad.engine.realize.to_program_cache), len(engine._jits))
+  assert seen == [{"eps": 2e-3, "decay": 0.2, "step": float(s)} for s in range(10)], seen
+  assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(10))
+  assert counts[3] == end, f"programs and JITs at the start of each step: {counts}, at the end: {end}"
+  with pytest.raises(SystemExit) as e: zo.main(["--plugin", str(plugin), "--method", "signmezo", "--decay", "0.2"])
+  assert e.value.code == 2
 
 # ***** 5. resume (CLI) *****
 
