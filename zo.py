@@ -5,7 +5,7 @@ The estimators are in estimators.py (MeZO, ES) and dust.py (Dust), the optimizer
 math. How zo runs fast on tinygrad is in engine.py, and which kernels run where in kernels/__init__.py.
 """
 from __future__ import annotations
-import argparse, contextlib, inspect, json, math, os, signal, sys, time
+import argparse, contextlib, fcntl, inspect, json, math, os, signal, socket, sys, threading, time
 from typing import Any, Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -14,8 +14,8 @@ from tqdm import tqdm
 from tinygrad import Device, Tensor, dtypes
 from kernels.noise import NOISES
 from data import BPE, Bytes
-from devices import names
-from estimators import ESTIMATORS, Compact, Flat, estimate, run
+from devices import names, shares
+from estimators import ESTIMATORS, TOKENS, Compact, Flat, estimate, run
 from optim import Optimizer, group_lrs
 import dust, engine, kernels
 
@@ -144,6 +144,98 @@ def same_run(flag:str, args, keys:tuple[str, ...]):
     flags = [typed(k) for k in diff]
     raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={old.get(k)}' for f, k in zip(flags, diff))})")
 
+def check_sizes(args, model, rc:dust.Recipe|None):
+  """Sizes that can't run, refused before any work or any file. A chunked loop (engine.stack, engine.mean) numbers its items from 0:
+  mezo's directions and es's pairs on each device, Dust's chunks of each group's draws across the devices; each call's first item
+  is bound to engine.START, at most START.vmax, and the last call, of c items, starts at n - c. And a step whose memory plainly
+  exceeds the machine's (forward_bytes)."""
+  most, B, T = engine.START.vmax, args.batch, args.seq
+  if args.method in ("mezo", "es"):
+    what = "directions" if args.method == "mezo" else "antithetic pairs"
+    if max(len(r) - engine.per_call(len(r), B * T, TOKENS) for r in shares(population(args), args.devices)) > most:
+      fits = (most + 1) * args.devices * (1 if args.method == "mezo" else 2)
+      raise UsageError(f"--pop {args.pop}: {args.method}'s kernels number its {what} up to {most + 1:,} a device: --pop {fits:,} fits")
+  if rc:
+    cap, S = dust.TOKENS if kernels.batches_chunks(Device.DEFAULT) else 0, dust.slabs(model)
+    counts = [*rc.writers, *rc.hidden, *rc.hubs, rc.embedding, *(c for v in rc.local.values() for c in v)]
+    groups = [(c // rc.nrep, rc.nrep * B * T, 1) for c in counts] + [(rc.head // rc.nrep, S * rc.nrep * B * T, S)] * (args.head == "slabs")
+    # the last device's share of whole units of chunks holds the last call
+    if (n := max(n - engine.per_call(len(shares(n // u, args.devices)[-1]), t, cap) * u for n, t, u in groups)) > most:
+      raise UsageError(f"--pop {args.pop}: Dust's kernels number a group's chunks of draws up to {most + 1:,}, and one starts a call at {n:,}")
+  need, have = forward_bytes(args, model, rc), device_memory()
+  if have and need > have:
+    raise UsageError(f"--batch {B} --seq {T}: a step needs at least {need / 2**30:,.1f} GiB, this machine has {have / 2**30:,.1f} GiB: "
+                     f"--batch {max(1, B * have // need):,} may fit")
+
+def population(args) -> int: return args.pop // 2 if args.method == "es" else args.pop  # mezo's directions, es's antithetic pairs
+
+def forward_bytes(args, model, rc:dust.Recipe|None) -> int:
+  """A lower bound of a step's memory: one forward's tokens (the batch times the directions a call of mezo and es, or Dust's draws of a
+  chunk) hold at once an MLP's input and hidden layer (1 + 4 widths) or the head's input and logits (a width and the vocab), each a
+  matmul's output, in the compute dtype. The peak is higher: --batch 100000 at the tiny preset held 9 GB in its first step on the CPU."""
+  c = rc.nrep if rc else engine.per_call(population(args), args.batch * args.seq, TOKENS) if args.method in ("mezo", "es") else 1
+  return c * args.batch * args.seq * max(5 * model.cfg.n_embd, model.cfg.n_embd + model.cfg.vocab) * compute_dtype().itemsize
+
+def device_memory() -> int|None:  # the CPU's is the machine's RAM; tinygrad doesn't tell a GPU's
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if Device.DEFAULT.split(":")[0] == "CPU" else None
+
+_locks:dict[str, int] = {}  # the run folders this process holds: their lock files' descriptors, open for the process's life
+
+def lock(out:str):
+  """One writer per run folder: an exclusive flock on OUT/lock, taken before anything in the folder changes and held until the process
+  ends, when the OS releases it (kill -9 included), so a crashed run never blocks the next. The file names its holder's pid and host,
+  for the refusal of a second run."""
+  if not out: raise UsageError("--out is empty: name a folder for the run")
+  if (key := os.path.realpath(out)) in _locks: return  # this process holds it already (zo.main called again in one process)
+  with files("--out"):
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
+  try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    pid, host = (os.read(fd, 256).decode(errors="replace").split() + ["?", "?"])[:2]
+    raise UsageError(f"{out} is in use by a live run, pid {pid} on {host}: wait for it, stop it, or pick another --out") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+  _locks[key] = fd
+
+@contextlib.contextmanager
+def files(what:str):
+  """An OSError of a run folder's file (a path under a file, too long a name, a directory where a file goes, a full disk) as one
+  line naming the path and the OS's error."""
+  try: yield
+  except OSError as e: raise UsageError(f"{what}: {e.filename}: {e.strerror}" if e.filename else f"{what}: {e}") from None
+
+def prepare(args, config:dict, model, opt:Optimizer) -> tuple[int, float]:
+  """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded and its log trimmed to
+  it; or a fresh run's refusal of another run's folder, or --force's deletion of that run. Then config.json, metrics.jsonl checked
+  writable first. Returns the step to start at, and the seconds its steps took before a --resume."""
+  cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
+  if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
+  if args.resume:
+    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
+                                *SCALES))
+  lock(args.out)
+  start, trained = 0, 0.0
+  with files("--out"):
+    if args.resume:
+      start = resume(args.out, model, opt)
+      keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
+      with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
+      trained = json.loads(keep[-1])["seconds"] if keep else 0.0
+    elif not args.force and (os.path.exists(cfg_path) or os.path.exists(log_path)):
+      if not os.path.exists(os.path.join(args.out, "model.safetensors")):
+        raise UsageError(f"{args.out} holds a run with no checkpoint yet, nothing to resume: pass --force to start it over")
+      raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
+    # --force: nothing of the old run stays; --resume drops the temp file of a save cut short
+    old = [p for f in ("model.safetensors.tmp",) + (() if args.resume else ("metrics.jsonl", "model.safetensors", "tokenizer.json"))
+           if os.path.lexists(p := os.path.join(args.out, f))]
+    if bad := next((p for p in old if os.path.isdir(p) and not os.path.islink(p)), None):
+      raise UsageError(f"cannot delete {bad}: it is a directory; nothing was deleted")
+    for p in old: os.remove(p)
+    open(log_path, "a").close()  # writable, before config.json is written
+    json.dump(config, open(cfg_path, "w"), indent=1)
+  return start, trained
+
 def train(args):
   from data import load
   tok = text_tokenizer(args, "--resume" if args.resume else None)  # resumed, a run keeps its tokenizer, whatever the text is now
@@ -154,41 +246,29 @@ def train(args):
   tokens = steps * args.batch * args.seq
   lrs, momentum = group_lrs(model, args.method, args.optim, args.lr, args.pop, budget(tokens))
   opt = Optimizer(model.params, lrs, args.optim, args.momentum or momentum, args.replay)
-  warmdown = dust_recipe(args, args.pop, tokens, model).warmdown if args.method == "dust" else 0.0
+  rc = dust_recipe(args, args.pop, tokens, model) if args.method == "dust" else None
+  warmdown = rc.warmdown if rc else 0.0
   if args.warmdown is not None: warmdown = args.warmdown
-  cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
-  start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
-  if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
-  if args.resume:
-    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "rank", "replay", "tokenizer", "noise", "head",
-                                *SCALES))
-    start = resume(args.out, model, opt)
-    keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
-    with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
-    trained = json.loads(keep[-1])["seconds"] if keep else 0.0
-  elif os.path.exists(log_path) and not args.force:
-    raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
-  os.makedirs(args.out, exist_ok=True)
-  json.dump(config, open(cfg_path, "w"), indent=1)
-  # --force: nothing of the old run stays
-  for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp", "tokenizer.json"):
-    if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
+  check_sizes(args, model, rc)
+  start, trained = prepare(args, config, model, opt)  # the step to start at, and the seconds its steps took before a --resume
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
   print(path)  # which kernels run here
   print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
-  stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second signal waits for the save
-  for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, lambda signum, _: stop.append(signum))
+  stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second one quits at once
+  saved = [start]  # the step of the checkpoint on disk (0: none)
+  def kept() -> str: return f"the checkpoint of step {saved[0]} in {args.out} is kept" if saved[0] else "no checkpoint is saved yet"
   val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
   opts = options(args, tokens)
   def estimate(x:Tensor, y:Tensor, step:int): return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts)
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
   work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
-  with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
+  with on_signals(stop, kept), open(os.path.join(args.out, "metrics.jsonl"), "a") as log, \
+       tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
@@ -207,11 +287,41 @@ def train(args):
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-", tok_s=f"{args.batch * args.seq / dt:,.0f}",
                       draws_s=f"{args.pop / dt:,.0f}")
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
-      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
+      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
+        save(args.out, model, opt, step + 1)
+        saved[0] = step + 1
       if stop:
         bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with "
                   "--resume", file=sys.stderr)  # a line of its own, not one the bar redraws over
         sys.exit(128 + stop[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
+
+@contextlib.contextmanager
+def on_signals(stop:list[int], kept:Callable[[], str]):
+  """SIGINT and SIGTERM: the first appends to `stop`, for the loop to stop after the step in flight, and says so at once; the second
+  quits at once, with the exit code of a process ended by it. A thread sees them, on the pipe that Python's C-level handler writes
+  each signal to: a Python handler runs only between the main thread's bytecodes, so it waits for a kernel or a compile in C code
+  (minutes in a cold first step, past a scheduler's grace period). Quitting mid-save leaves the last checkpoint whole: a save is the
+  rename of a finished temp file, which --resume drops. On leaving, the handlers before are back."""
+  r, w = os.pipe()
+  os.set_blocking(w, False)
+  wakeup, handlers = signal.set_wakeup_fd(w, warn_on_full_buffer=False), {s: signal.signal(s, lambda *_: None) for s in SIGNALS}
+  def watch():
+    while b := os.read(r, 1):
+      name = signal.Signals(b[0]).name
+      if stop:
+        print(f"\n{name}: quitting now; {kept()}", file=sys.stderr, flush=True)
+        os._exit(128 + b[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
+      stop.append(b[0])
+      print(f"\n{name}: stopping after this step; {kept()}; {name} again to quit now", file=sys.stderr, flush=True)
+    os.close(r)
+  threading.Thread(target=watch, daemon=True).start()
+  try: yield
+  finally:
+    signal.set_wakeup_fd(wakeup)
+    for sig, h in handlers.items(): signal.signal(sig, h)
+    os.close(w)  # the thread reads the end of the pipe, and ends
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a scheduler's (docker stop, kill) before its kill -9
 
 def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged
   try: return json.loads(line)["step"]
@@ -264,6 +374,7 @@ def cosine_table(args):
   where = "initialisation"
   if flag:
     same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
+    lock(args.out)  # no training run writes the checkpoint while it is read
     where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
   if args.method == "dust":
     for pop in args.pops: dust_recipe(args, pop, args.tokens, model)  # a scale that doesn't split stops before any work
@@ -404,9 +515,15 @@ def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool
           ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"), ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
 
 def default_device() -> str:
-  try: return Device.DEFAULT
+  """The device tinygrad picks, opened: DEV names one (DEV=CUDA), or tinygrad tries each of its backends."""
+  try: device = Device.DEFAULT
   except Exception: raise UsageError("tinygrad found no usable device: install clang for the CPU backend (apt-get install clang), "
                                      "or run on a GPU with DEV=CUDA / DEV=AMD / DEV=METAL") from None
+  try: Device[device]
+  except Exception as e:
+    raise UsageError(f"DEV={os.environ.get('DEV', device)}: tinygrad cannot open device {device} ({type(e).__name__}: {e}); "
+                     f"its backends are {', '.join(sorted(Device._devices))}") from None
+  return device
 
 def check_devices(args:argparse.Namespace):
   """--devices N: N devices of the default backend (DEV, DEV:1, ...), each with at least one direction (mezo) or pair (es); Dust
