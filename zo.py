@@ -48,8 +48,8 @@ def save(out:str, model, opt:Optimizer, step:int):
 def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Tensor], int]:
   """The model's parameters set from the checkpoint in out; returns the checkpoint's tensors whose names start with `keep`, and its step."""
   path = os.path.join(out, "model.safetensors")
-  if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}")
   hint = f"--force starts the run in {out} over" if flag == "--resume" else "train a run there first"
+  if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}; {hint}")  # a run killed before its first save
   try:
     with safe_open(path, "np") as f:
       st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys() if k.startswith(keep)}, int((f.metadata() or {})["step"])
@@ -228,7 +228,7 @@ def prepare(args, config:dict, model, opt:Optimizer) -> tuple[int, float]:
       raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
     # --force: nothing of the old run stays; --resume drops the temp file of a save cut short
     old = [p for f in ("model.safetensors.tmp",) + (() if args.resume else ("metrics.jsonl", "model.safetensors", "tokenizer.json"))
-           if os.path.lexists(p := os.path.join(args.out, f))]
+           if os.path.exists(p := os.path.join(args.out, f))]
     if bad := next((p for p in old if os.path.isdir(p) and not os.path.islink(p)), None):
       raise UsageError(f"cannot delete {bad}: it is a directory; nothing was deleted")
     for p in old: os.remove(p)
