@@ -23,7 +23,7 @@ from kernels.attention import moved, mixed, prepare
 from kernels.loss import exp_sum, softcap
 from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
-from devices import inputs, replicas, shares
+from devices import device, inputs, replicas, shares
 from model import GPTConfig
 from registry import POSITIVE, Defaults, Option, Run, estimator
 import engine
@@ -498,11 +498,22 @@ def run_recipe(run:Run) -> Recipe:
     make(1.0, 1.0)
     raise ValueError(" ".join(f"--{n.replace('_', '-')} {o[n]}" for n in ("direct_scale", "qkv_scale") if o[n] != 1) + f": {e}") from None
 
+def check(run:Run):
+  """The run's recipe exists, and the kernels can number every group's chunks: a call's first chunk is bound to engine.START, and
+  the last call of a device's share, of G chunks (or runs of the head's slabs), starts G before its end."""
+  rc, tokens = run_recipe(run), run.tokens // run.steps  # a step's tokens
+  cap, S = TOKENS if batches_chunks(device(run.model)) else 0, slabs(run.model)
+  counts = [*rc.writers, *rc.hidden, *rc.hubs, rc.embedding, *(c for v in rc.local.values() for c in v)]
+  groups = [(c // rc.nrep, rc.nrep * tokens, 1) for c in counts] + [(rc.head // rc.nrep, S * rc.nrep * tokens, S)] * (run.options["head"] == "slabs")
+  if (n := max(n - engine.per_call(len(shares(n // u, run.devices)[-1]), t, cap) * u for n, t, u in groups)) > engine.START.vmax:
+    raise ValueError(f"--pop {run.pop}: Dust's kernels number a group's chunks of draws up to {engine.START.vmax + 1:,}, and one starts a "
+                     f"call at {n:,}")
+
 def defaults(run:Run) -> Defaults:  # the recipe's optimizer settings (docs/dust.md §4): its groups' lrs as multiples of its base lr
   rc = run_recipe(run)
   return Defaults(lr=rc.lr, momentum=rc.momentum, groups={p: lr / rc.lr for p, lr in rc.group_lr.items()}, warmdown=rc.warmdown)
 
-@estimator("dust", defaults=defaults, check=run_recipe,
+@estimator("dust", defaults=defaults, check=check,
            noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
            head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
                        "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),

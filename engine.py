@@ -481,4 +481,4 @@ def mean(fn:Callable, owner, /, *inputs, chunks:range, per_call:int, count:int, 
 def per_call(n:int, tokens:int, most:int) -> int:
   """How many of n equal pieces of `tokens` tokens one JIT call runs: the most that divide n (so every call has one shape, one JIT)
   and hold at most `most` tokens together, at least one."""
-  return max(c for c in range(1, n + 1) if n % c == 0 and (c == 1 or c * tokens <= most))
+  return max(c for c in range(1, max(1, min(n, most // tokens)) + 1) if n % c == 0)  # up to the most that fit, not to n (a pop of 1e9)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
-from devices import spread
+from devices import shares, spread
 from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator
 import dust, engine  # noqa: F401  dust.py registers Dust
 
@@ -77,14 +77,20 @@ def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:floa
 
 # ***** MeZO and ES *****
 
-def one_per_device(run:Run, draws:int, unit:str):
+def spread_draws(run:Run, draws:int, unit:str):
+  """A check: every device gets at least one of the draws, and the kernels can number a device's share of them (the first draw of a
+  call is bound to engine.START, and the last call, of c draws, starts c before the share's end)."""
   if run.devices > draws: raise ValueError(f"--devices {run.devices}: every device needs at least one {unit}, and --pop {run.pop} has {draws}")
+  most = engine.START.vmax
+  if max(len(r) - engine.per_call(len(r), run.tokens // run.steps, TOKENS) for r in shares(draws, run.devices)) > most:
+    raise ValueError(f"--pop {run.pop}: the kernels number the {unit}s of a device up to {most + 1:,}: "
+                     f"--pop {(most + 1) * run.devices * run.pop // draws:,} fits")
 
 def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
   """coef_k = (L(θ + εz_k) − L(θ − εz_k)) / (2εK), and the mean loss."""
   return (losses[:, 0] - losses[:, 1]) / (2 * eps * losses.shape[0]), losses.mean()
 
-@estimator("mezo", check=lambda run: one_per_device(run, run.pop, "direction"),
+@estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"),
            eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
@@ -107,7 +113,7 @@ def es_coefficients(losses:Tensor, sigma:float, shaping:str) -> tuple[Tensor, Te
 
 def pairs(run:Run):
   if run.pop % 2: raise ValueError(f"es needs an even population (antithetic pairs), got --pop {run.pop}")
-  one_per_device(run, run.pop // 2, "antithetic pair")
+  spread_draws(run, run.pop // 2, "antithetic pair")
 
 @estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
            sigma=Option("the perturbation scale σ", check=POSITIVE),

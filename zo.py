@@ -6,7 +6,7 @@ optimizer in optim.py, the models in model.py; README has the math. How zo runs 
 run where in kernels/__init__.py.
 """
 from __future__ import annotations
-import argparse, contextlib, importlib, importlib.util, json, math, os, signal, sys, time
+import argparse, contextlib, fcntl, importlib, importlib.util, json, math, os, signal, socket, sys, threading, time
 from dataclasses import replace
 from typing import Any, Callable
 import numpy as np
@@ -50,8 +50,8 @@ def save(out:str, model, opt:Optimizer, step:int):
 def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Tensor], int]:
   """The model's parameters set from the checkpoint in out; returns the checkpoint's tensors whose names start with `keep`, and its step."""
   path = os.path.join(out, "model.safetensors")
-  if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}")
   hint = f"--force starts the run in {out} over" if flag == "--resume" else "train a run there first"
+  if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}; {hint}")  # a run killed before its first save
   try:
     with safe_open(path, "np") as f:
       st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys() if k.startswith(keep)}, int((f.metadata() or {})["step"])
@@ -136,6 +136,77 @@ def same_run(flag:str, args, keys:tuple[str, ...]):
     flags = [typed(k) for k in diff]
     raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} ({', '.join(f'{f}={was(k)}' for f, k in zip(flags, diff))})")
 
+def check_memory(args, model):
+  """A step whose memory plainly exceeds the machine's, refused before any work or any file. A lower bound of a step's memory: one
+  forward's tokens hold at once an MLP's input and hidden layer (1 + 4 widths) or the head's input and logits (a width and the vocab),
+  each a matmul's output, in the compute dtype. The peak is higher (the estimators batch several draws a forward): --batch 100000 at
+  the tiny preset held 9 GB in its first step on the CPU. The sizes an estimator's kernels can't index are its own check's."""
+  B, T = args.batch, args.seq
+  need, have = B * T * max(5 * model.cfg.n_embd, model.cfg.n_embd + model.cfg.vocab) * compute_dtype().itemsize, device_memory()
+  if have and need > have:
+    raise UsageError(f"--batch {B} --seq {T}: a step needs at least {need / 2**30:,.1f} GiB, this machine has {have / 2**30:,.1f} GiB: "
+                     f"--batch {max(1, B * have // need):,} may fit")
+
+def device_memory() -> int|None:  # the CPU's is the machine's RAM; tinygrad doesn't tell a GPU's
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if Device.DEFAULT.split(":")[0] == "CPU" else None
+
+_locks:dict[str, int] = {}  # the run folders this process holds: their lock files' descriptors, open for the process's life
+
+def lock(out:str):
+  """One writer per run folder: an exclusive flock on OUT/lock, taken before anything in the folder changes and held until the process
+  ends, when the OS releases it (kill -9 included), so a crashed run never blocks the next. The file names its holder's pid and host,
+  for the refusal of a second run."""
+  if not out: raise UsageError("--out is empty: name a folder for the run")
+  if (key := os.path.realpath(out)) in _locks: return  # this process holds it already (zo.main called again in one process)
+  with files("--out"):
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
+  try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    pid, host = (os.read(fd, 256).decode(errors="replace").split() + ["?", "?"])[:2]
+    raise UsageError(f"{out} is in use by a live run, pid {pid} on {host}: wait for it, stop it, or pick another --out") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+  _locks[key] = fd
+
+@contextlib.contextmanager
+def files(what:str):
+  """An OSError of a run folder's file (a path under a file, too long a name, a directory where a file goes, a full disk) as one
+  line naming the path and the OS's error."""
+  try: yield
+  except OSError as e: raise UsageError(f"{what}: {e.filename}: {e.strerror}" if e.filename else f"{what}: {e}") from None
+
+def prepare(args, config:dict, model, opt:Optimizer) -> tuple[int, float]:
+  """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded and its log trimmed to
+  it; or a fresh run's refusal of another run's folder, or --force's deletion of that run. Then config.json, metrics.jsonl checked
+  writable first. Returns the step to start at, and the seconds its steps took before a --resume."""
+  cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
+  if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
+  if args.resume:
+    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "replay", "tokenizer",
+                                *ESTIMATORS[args.method].options))
+  lock(args.out)
+  start, trained = 0, 0.0
+  with files("--out"):
+    if args.resume:
+      start = resume(args.out, model, opt)
+      keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
+      with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
+      trained = json.loads(keep[-1])["seconds"] if keep else 0.0
+    elif not args.force and (os.path.exists(cfg_path) or os.path.exists(log_path)):
+      if not os.path.exists(os.path.join(args.out, "model.safetensors")):
+        raise UsageError(f"{args.out} holds a run with no checkpoint yet, nothing to resume: pass --force to start it over")
+      raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
+    # --force: nothing of the old run stays; --resume drops the temp file of a save cut short
+    old = [p for f in ("model.safetensors.tmp",) + (() if args.resume else ("metrics.jsonl", "model.safetensors", "tokenizer.json"))
+           if os.path.exists(p := os.path.join(args.out, f))]
+    if bad := next((p for p in old if os.path.isdir(p) and not os.path.islink(p)), None):
+      raise UsageError(f"cannot delete {bad}: it is a directory; nothing was deleted")
+    for p in old: os.remove(p)
+    open(log_path, "a").close()  # writable, before config.json is written
+    json.dump(config, open(cfg_path, "w"), indent=1)
+  return start, trained
+
 def train(args):
   from data import load
   tok = text_tokenizer(args, "--resume" if args.resume else None)  # resumed, a run keeps its tokenizer, whatever the text is now
@@ -143,36 +214,23 @@ def train(args):
   if args.seq > model.cfg.seq_len: raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed, tok)
   entry, job = ESTIMATORS[args.method], plan(args, model)
-  if entry.check: entry.check(job)  # a run the estimator can't do stops before anything is written
+  if entry.check: entry.check(job)  # a run the estimator can't do (sizes its kernels can't index included) stops here
   steps, d = job.steps, entry.defaults_for(job)
   opt = Optimizer(model.params, learning_rates(model.params, d, args.lr), args.optim, d.momentum if args.momentum is None else args.momentum,
                   args.replay)
   warmdown = d.warmdown if args.warmdown is None else args.warmdown
-  cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
-  start, trained = 0, 0.0  # the step to start at, and the seconds its steps took before a --resume
-  if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
-  if args.resume:
-    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "replay", "tokenizer", *entry.options))
-    start = resume(args.out, model, opt)
-    keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
-    with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
-    trained = json.loads(keep[-1])["seconds"] if keep else 0.0
-  elif os.path.exists(log_path) and not args.force:
-    raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
-  os.makedirs(args.out, exist_ok=True)
-  json.dump(config, open(cfg_path, "w"), indent=1)
-  # --force: nothing of the old run stays
-  for f in () if args.resume else ("metrics.jsonl", "model.safetensors", "model.safetensors.tmp", "tokenizer.json"):
-    if os.path.exists(p := os.path.join(args.out, f)): os.remove(p)
+  check_memory(args, model)
+  start, trained = prepare(args, config, model, opt)  # the step to start at, and the seconds its steps took before a --resume
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
   print(path)  # which kernels run here
   print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" + (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
-  stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second signal waits for the save
-  for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, lambda signum, _: stop.append(signum))
+  stop:list[int] = []  # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second one quits at once
+  saved = [start]  # the step of the checkpoint on disk (0: none)
+  def kept() -> str: return f"the checkpoint of step {saved[0]} in {args.out} is kept" if saved[0] else "no checkpoint is saved yet"
   val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
   opts = values(entry, job)
@@ -180,7 +238,8 @@ def train(args):
     return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts, **at_step(entry, step))
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
   work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
-  with open(log_path, "a") as log, tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
+  with on_signals(stop, kept), open(os.path.join(args.out, "metrics.jsonl"), "a") as log, \
+       tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
@@ -199,11 +258,41 @@ def train(args):
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-", tok_s=f"{args.batch * args.seq / dt:,.0f}",
                       draws_s=f"{args.pop / dt:,.0f}")
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
-      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop: save(args.out, model, opt, step + 1)
+      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
+        save(args.out, model, opt, step + 1)
+        saved[0] = step + 1
       if stop:
         bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with "
                   "--resume", file=sys.stderr)  # a line of its own, not one the bar redraws over
         sys.exit(128 + stop[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
+
+@contextlib.contextmanager
+def on_signals(stop:list[int], kept:Callable[[], str]):
+  """SIGINT and SIGTERM: the first appends to `stop`, for the loop to stop after the step in flight, and says so at once; the second
+  quits at once, with the exit code of a process ended by it. A thread sees them, on the pipe that Python's C-level handler writes
+  each signal to: a Python handler runs only between the main thread's bytecodes, so it waits for a kernel or a compile in C code
+  (minutes in a cold first step, past a scheduler's grace period). Quitting mid-save leaves the last checkpoint whole: a save is the
+  rename of a finished temp file, which --resume drops. On leaving, the handlers before are back."""
+  r, w = os.pipe()
+  os.set_blocking(w, False)
+  wakeup, handlers = signal.set_wakeup_fd(w, warn_on_full_buffer=False), {s: signal.signal(s, lambda *_: None) for s in SIGNALS}
+  def watch():
+    while b := os.read(r, 1):
+      name = signal.Signals(b[0]).name
+      if stop:
+        print(f"\n{name}: quitting now; {kept()}", file=sys.stderr, flush=True)
+        os._exit(128 + b[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
+      stop.append(b[0])
+      print(f"\n{name}: stopping after this step; {kept()}; {name} again to quit now", file=sys.stderr, flush=True)
+    os.close(r)
+  threading.Thread(target=watch, daemon=True).start()
+  try: yield
+  finally:
+    signal.set_wakeup_fd(wakeup)
+    for sig, h in handlers.items(): signal.signal(sig, h)
+    os.close(w)  # the thread reads the end of the pipe, and ends
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a scheduler's (docker stop, kill) before its kill -9
 
 def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged
   try: return json.loads(line)["step"]
@@ -256,6 +345,7 @@ def cosine_table(args):
   where = "initialisation"
   if flag:
     same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
+    lock(args.out)  # no training run writes the checkpoint while it is read
     where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
   entry, job = ESTIMATORS[args.method], plan(args, model)
   for pop in args.pops:  # a run the estimator can't do stops before any work
@@ -430,9 +520,15 @@ def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool
           ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"), ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
 
 def default_device() -> str:
-  try: return Device.DEFAULT
+  """The device tinygrad picks, opened: DEV names one (DEV=CUDA), or tinygrad tries each of its backends."""
+  try: device = Device.DEFAULT
   except Exception: raise UsageError("tinygrad found no usable device: install clang for the CPU backend (apt-get install clang), "
                                      "or run on a GPU with DEV=CUDA / DEV=AMD / DEV=METAL") from None
+  try: Device[device]
+  except Exception as e:
+    raise UsageError(f"DEV={os.environ.get('DEV', device)}: tinygrad cannot open device {device} ({type(e).__name__}: {e}); "
+                     f"its backends are {', '.join(sorted(Device._devices))}") from None
+  return device
 
 def check_devices(args:argparse.Namespace):
   """--devices N: N devices of the default backend (DEV, DEV:1, ...), for a method that names `devices` (its check says how many its

@@ -1,11 +1,12 @@
 """Robustness of the zo.py command line, with real processes and signals: bad input stops with one line and exit code 2, a non-finite
 loss stops the run and keeps the last good checkpoint, checkpoints are atomic under kill -9, --resume after kill -9 or Ctrl-C
-reproduces the uninterrupted run exactly, and a run in --out is not overwritten without --force.
+reproduces the uninterrupted run exactly, a run in --out is not overwritten without --force, a live run's folder takes no second
+run, and a second signal quits at once.
 
 Cost: every run is a fresh process that compiles its kernels again (seconds each on a 2-core CPU), so all runs use the tiny preset at
 vocab 64, 2x16 tokens a step and mezo with 2 directions, and the long ones start in the background when the module starts (two at a
 time), while the quick bad-input tests run."""
-import contextlib, json, math, os, random, re, resource, signal, subprocess, sys, time
+import contextlib, json, math, os, random, re, resource, signal, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
@@ -51,17 +52,35 @@ zo.save_file = stalled
 zo.main(sys.argv[2:])
 """
 
-# the save of a signalled step waits 3 s after writing its temp file, while the test signals again (a marker file says when)
+# once the test has made OUT/slow, a save waits 3 s after writing its temp file, while the test signals again (OUT/saving says when)
 SLOW_SAVE = """
 import os, sys, time
 import zo
 save = zo.save_file
 def slow(tensors, fn, *args, **kwargs):
   save(tensors, fn, *args, **kwargs)
-  open(os.path.join(os.path.dirname(fn), "saving"), "w").close()
-  time.sleep(3)
+  if os.path.exists(os.path.join(os.path.dirname(fn), "slow")):
+    open(os.path.join(os.path.dirname(fn), "saving"), "w").close()
+    time.sleep(3)
 zo.save_file = slow
 zo.main(sys.argv[1:])
+"""
+
+# zo.<argv[1]> (run: the first step; val_loss: the first evaluation) holds the main thread in C code for 10 minutes, as a long kernel
+# or compile does: signals are blocked there (another thread takes them, as C code doesn't return to the interpreter that would run a
+# Python handler) and it sleeps in libc; OUT/stalled says when
+STALL_C = """
+import ctypes, os, signal, sys
+import zo
+where, out = sys.argv[1], sys.argv[sys.argv.index("--out") + 1]
+real = getattr(zo, where)
+def stalled(*args, **kwargs):
+  open(os.path.join(out, "stalled"), "w").close()
+  signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+  ctypes.CDLL(None).sleep(600)
+  return real(*args, **kwargs)
+setattr(zo, where, stalled)
+zo.main(sys.argv[2:])
 """
 
 def argv(out:Path, *extra) -> list[str]: return [*RUN, "--out", str(out), *map(str, extra)]
@@ -163,26 +182,66 @@ def run_atomic(tmp:Path) -> dict:
   return {"out": out, "tmp_keys": tmp_keys}
 
 def run_sigterm(tmp:Path) -> dict:
-  """A long run, SIGTERM after 2 steps, a second SIGTERM while the checkpoint is being written, then --resume to STEPS."""
+  """A long run saving every 2 steps, SIGTERM once a checkpoint is saved, a second SIGTERM while a checkpoint is being written (the
+  signalled step's, or one of every 2 steps), then --resume to STEPS."""
   out, err = tmp / "sigterm", tmp / "sigterm.stderr"
-  p = start(err, *argv(out, "--steps", 1000, "--ckpt-every", 1000), code=SLOW_SAVE)
+  p = start(err, *argv(out, "--steps", 1000, "--ckpt-every", 2), code=SLOW_SAVE)
   try:
-    wait_until(p, err, lambda: lines(out) >= 2)
+    wait_until(p, err, lambda: lines(out) >= 3)
+    (out / "slow").touch()
     os.killpg(p.pid, signal.SIGTERM)
     wait_until(p, err, lambda: (out / "saving").exists())
-  finally: res = {"rc": stop(p, signal.SIGTERM)}
-  res |= {"stderr": err.read_text(), "lines": lines(out), "tmp_left": (out / "model.safetensors.tmp").exists()}
+    os.killpg(p.pid, signal.SIGTERM)
+    t = time.monotonic()
+    res = {"rc": p.wait(timeout=60), "seconds": time.monotonic() - t}
+  finally: stop(p)
+  res |= {"stderr": err.read_text(), "lines": lines(out)}
   res["ckpt"] = checkpoint(out / "model.safetensors") if (out / "model.safetensors").exists() else None
   res["resume"] = r = cli(*argv(out, "--steps", STEPS, "--ckpt-every", 1000, "--resume"))
   res["metrics"] = metrics(out) if r.returncode == 0 else None
   return res
 
+def run_lock(tmp:Path) -> dict:
+  """A live run (stalled in the save of step 3, its checkpoint of step 2 saved) and a second run into its folder with each flag; then
+  kill -9 and --resume, which the dead run's lock doesn't block."""
+  out, err = tmp / "lock", tmp / "lock.stderr"
+  p = start(err, "3", *argv(out, "--steps", STEPS, "--ckpt-every", 1), code=STALL)
+  res:dict = {"out": out, "pid": p.pid}
+  try:
+    wait_until(p, err, lambda: (out / "stalled").exists())
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    res["second"] = {flag: cli(*argv(out, "--steps", STEPS), *flag.split()) for flag in ("", "--resume", "--force", "--cosine --resume")}
+    res["touched"] = [f.name for f in out.iterdir() if f.read_bytes() != before.get(f.name)]
+  finally: stop(p)
+  res["after_kill"] = cli(*argv(out, "--steps", 2, "--resume"))  # the checkpoint is at step 2: nothing to train
+  return res
+
+def run_stall(tmp:Path, sig:int, where:str) -> dict:
+  """A finished run resumed for 2 more steps, its main thread held in C code by STALL_C at `where`: two signals, 1 s apart."""
+  out, err, ref = tmp / f"stall_{where}", tmp / f"stall_{where}.stderr", tmp / "ref"
+  end = time.monotonic() + 600  # the ref chain, submitted before this one, runs on the pool's other thread
+  while not (lines(ref) == STEPS and checkpoint(ref / "model.safetensors")[0] == STEPS): assert time.monotonic() < end; time.sleep(0.5)
+  out.mkdir()
+  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (out / f).write_bytes((tmp / "ref" / f).read_bytes())
+  before = (out / "model.safetensors").read_bytes()
+  p = start(err, where, *argv(out, "--steps", STEPS + 2, "--ckpt-every", 1, "--eval-every", 1, "--resume"), code=STALL_C)
+  try:
+    wait_until(p, err, lambda: (out / "stalled").exists())
+    os.killpg(p.pid, sig)
+    wait_until(p, err, lambda: "again to quit now" in err.read_text(), timeout=5)
+    os.killpg(p.pid, sig)
+    t = time.monotonic()
+    res = {"rc": p.wait(timeout=10), "seconds": time.monotonic() - t}
+  finally: stop(p)
+  return res | {"stderr": err.read_text(), "intact": (out / "model.safetensors").read_bytes() == before}
+
 CHAINS = {"kill9": run_kill9, "sigint": run_sigint, "sigterm": run_sigterm, "ref": run_ref, "nan_loss": lambda t: run_nan(t, "loss"),
-          "nan_estimate": lambda t: run_nan(t, "estimate"), "atomic": run_atomic}
+          "nan_estimate": lambda t: run_nan(t, "estimate"), "atomic": run_atomic, "lock": run_lock,
+          "stall_run": lambda t: run_stall(t, signal.SIGTERM, "run"), "stall_val_loss": lambda t: run_stall(t, signal.SIGINT, "val_loss")}
 NEEDS = {"test_nonfinite_stops": ("nan_loss", "nan_estimate"), "test_atomic_checkpoint": ("atomic",), "test_resume_after_kill9": ("kill9", "ref"),
          "test_resume_refuses_other_flags": ("kill9",), "test_resume_drops_torn_line": ("kill9",), "test_force": ("sigint", "ref"),
          "test_sigint": ("sigint", "ref"), "test_sigterm": ("sigterm", "ref"), "test_unreadable_checkpoint": ("ref",),
-         "test_unwritable_checkpoint": ("ref",)}
+         "test_unwritable_checkpoint": ("ref",), "test_lock": ("lock",), "test_second_signal": ("ref", "stall_run", "stall_val_loss")}
 
 @pytest.fixture(scope="module", autouse=True)
 def runs(request, tmp_path_factory):
@@ -342,13 +401,15 @@ def test_sigint(runs):
   assert [r["step"] for r in res["metrics"]] == list(range(STEPS))
   assert losses(res["metrics"]) == losses(ref["metrics"])
 
-# protects: SIGTERM (a scheduler's time limit, docker stop, kill) is handled as Ctrl-C: the step finishes, a checkpoint is saved, exit
-# code 143 (128 + SIGTERM); a second SIGTERM during the save waits for it, so the checkpoint is whole; --resume continues exactly
+# protects: SIGTERM (a scheduler's time limit, docker stop, kill) is handled as Ctrl-C, and says at once what will happen; a second
+# SIGTERM during a save quits at once with exit code 143 (128 + SIGTERM), the last checkpoint whole, the one its message names;
+# --resume continues exactly
 def test_sigterm(runs):
   res, ref = runs["sigterm"].result(), runs["ref"].result()
-  assert res["rc"] == 143 and "Traceback" not in res["stderr"], f"exit code {res['rc']}:\n{res['stderr'][-3000:]}"
-  assert res["ckpt"] is not None and res["ckpt"][0] == res["lines"] >= 2 and not res["tmp_left"], (res["ckpt"] and res["ckpt"][0], res["lines"])
-  assert f"SIGTERM: interrupted after {res['lines']} steps" in res["stderr"], res["stderr"][-500:]
+  assert res["rc"] == 143 and res["seconds"] < 2 and "Traceback" not in res["stderr"], f"{res['rc']}, {res['seconds']} s:\n{res['stderr'][-3000:]}"
+  assert re.search(r"SIGTERM: stopping after this step; the checkpoint of step \d+ in .* is kept; SIGTERM again to quit now", res["stderr"])
+  kept = re.search(r"SIGTERM: quitting now; the checkpoint of step (\d+) in", res["stderr"])
+  assert kept and res["ckpt"] is not None and res["ckpt"][0] == int(kept[1]) >= 2, res["stderr"][-500:]
   assert res["resume"].returncode == 0, res["resume"].stderr[-3000:]
   assert losses(res["metrics"]) == losses(ref["metrics"])
 
@@ -455,3 +516,66 @@ def test_flags_the_method_does_not_take(capsys):
       err = capsys.readouterr().err
       takes = ", ".join(f"--{t.replace('_', '-')}" for t in entry.options) or "no options"
       assert e.value.code == 2 and err == f"zo: error: {flag} {value}: --method {method} does not take {flag} (it takes {takes})\n", err
+
+# ***** one writer per run folder; a stop that always stops *****
+
+# protects: a second run into a live run's folder (plain, --resume, --force, --cosine --resume) is refused at once, exit 2, one line
+# naming the live run's pid and host, touching nothing; a lock left by a run killed with -9 doesn't block its --resume
+def test_lock(runs):
+  res = runs["lock"].result()
+  for flag, r in res["second"].items():
+    msg = error_line(r)
+    assert f"{res['out']} is in use by a live run, pid {res['pid']} on {socket.gethostname()}" in msg, (flag, msg)
+  assert res["touched"] == [], res["touched"]
+  assert res["after_kill"].returncode == 0, res["after_kill"].stderr[-3000:]
+
+# protects: SIGTERM or SIGINT while the main thread is held in C code (a cold first step's compile, a long kernel) says at once what
+# will happen, naming the checkpoint kept, and a second one quits within 2 s with 128 + the signal, the checkpoint untouched; in the
+# first step and in the first evaluation
+@pytest.mark.parametrize("where, sig", [("run", "SIGTERM"), ("val_loss", "SIGINT")])
+def test_second_signal(where:str, sig:str, runs):
+  res = runs[f"stall_{where}"].result()
+  assert res["rc"] == 128 + signal.Signals[sig] and res["seconds"] < 2, f"{res['rc']} after {res['seconds']:.1f} s:\n{res['stderr'][-3000:]}"
+  assert f"{sig}: stopping after this step; the checkpoint of step {STEPS} in " in res["stderr"], res["stderr"][-1000:]
+  assert f"{sig}: quitting now; the checkpoint of step {STEPS} in " in res["stderr"] and res["intact"], res["stderr"][-1000:]
+
+def refused(tmp:Path) -> dict:
+  """Cases refused before any work, each (its arguments, words its line holds, an environment to add)."""
+  (tmp / "afile").write_text("not a directory")
+  config = json.dumps(vars(zo.parse(RUN)))
+  for name in ("logged", "undeletable"):  # a run with a log but no checkpoint (killed in its first step); one whose log is a folder
+    (tmp / name).mkdir()
+    (tmp / name / "config.json").write_text(config)
+  (tmp / "logged" / "metrics.jsonl").write_text("")
+  (tmp / "undeletable" / "metrics.jsonl").mkdir()
+  (tmp / "undeletable" / "metrics.jsonl" / "x").write_text("")
+  (tmp / "unwritable").mkdir()
+  (tmp / "unwritable" / "metrics.jsonl").symlink_to(tmp / "afile" / "metrics.jsonl")  # fails for root too
+  long = tmp / ("x" * 300)
+  return {"pop mezo": (["--pop", 10**9], ["--pop 1000000000", "16,777,217"], {}),
+          "pop es": (["--method", "es", "--pop", 10**9], ["--pop 1000000000", "33,554,434"], {}),
+          "pop dust": (["--method", "dust", "--optim", "adamw", "--pop", 4096 * 30000], ["--pop 122880000", "16,777,217"], {}),
+          "memory": (["--batch", 10**8], ["--batch 100000000", "GiB", "may fit"], {}),
+          "out under a file": (["--out", tmp / "afile" / "run"], [str(tmp / "afile" / "run"), "Not a directory"], {}),
+          "out too long": (["--out", long], [str(long), "File name too long"], {}),
+          "out empty": (["--out", ""], ["--out is empty"], {}),
+          "bad DEV": ([], ["DEV=CUDAX", "CPU"], {"DEV": "CUDAX"}),
+          "log without checkpoint": (["--out", tmp / "logged"], [str(tmp / "logged"), "no checkpoint", "--force"], {}),
+          "resume without checkpoint": (["--out", tmp / "logged", "--resume"], ["no checkpoint", "--force"], {}),
+          "force undeletable": (["--out", tmp / "undeletable", "--force"], [str(tmp / "undeletable" / "metrics.jsonl"), "cannot delete"], {}),
+          "log unwritable": (["--out", tmp / "unwritable"], [str(tmp / "unwritable" / "metrics.jsonl"), "Not a directory"], {})}
+
+# protects: sizes the kernels can't index or the machine can't hold, a bad --out or DEV, a folder whose files can't be deleted or
+# written and a log without a checkpoint stop before any work with exit 2 and one line naming the problem (and where it leads: --force),
+# no traceback, and nothing in --out changes but its lock file
+@pytest.mark.parametrize("case", ["pop mezo", "pop es", "pop dust", "memory", "out under a file", "out too long", "out empty", "bad DEV",
+                                  "log without checkpoint", "resume without checkpoint", "force undeletable", "log unwritable"])
+def test_refused_before_any_work(case:str, tmp_path:Path):
+  args, words, env = refused(tmp_path)[case]
+  def state() -> dict: return {str(f): f.is_dir() or f.read_bytes() for f in tmp_path.rglob("*") if f.name != "lock" and not f.is_symlink()}
+  before = state()
+  r = subprocess.run(command([*argv(tmp_path / "out", "--steps", 2), *args], None), cwd=ROOT, env=ENV | env, capture_output=True, text=True,
+                     timeout=600)
+  msg = error_line(r)
+  assert len(r.stderr.strip().splitlines()) == 1 and all(w in msg for w in words), r.stderr
+  assert state() == before, "the refused run changed files"
