@@ -72,9 +72,9 @@ def hizoo_step(model, x:Tensor, y:Tensor, key:Tensor, sigma:dict[str, Tensor], p
 # ***** LOZO *****
 
 @estimator("lozo", eps=Option("the perturbation scale ε", check=POSITIVE),
-           rank=Option("r, the rank of a matrix's perturbation U Vᵀ", check=POSITIVE),
+           subspace=Option("r, the rank of a matrix's perturbation U Vᵀ (V's columns span its rows' subspace)", check=POSITIVE),
            every=Option("ν, the steps that keep one V", check=POSITIVE))
-def lozo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3, rank:int=2,
+def lozo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3, subspace:int=2,
          every:int=50) -> tuple[dict[str, Tensor], Tensor]:
   """LOZO, low-rank zeroth-order fine-tuning (Chen et al., "Enhancing zeroth-order fine-tuning for language models with low-rank
   structures", ICLR 2025): each matrix is perturbed along E_k = U_k Vᵀ, U_k [m, r] Gaussian, fresh every direction and step, V [n, r]
@@ -83,7 +83,7 @@ def lozo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict
   E_k has unit variance per entry, as MeZO's z_k: the paper perturbs by ε U_k Vᵀ and divides its g by r, the same g with ε√r for ε
   (E[U Vᵀ ⟨G, U Vᵀ⟩] = r G, so E[g] = G). V comes from the window's key (window) where the paper stores it; a matrix of fewer than
   r rows or columns gets their rank."""
-  return engine.jit(lozo_step, model, pop=pop, eps=eps, rank=rank)(x, y, key, window(state, key, step, every))
+  return engine.jit(lozo_step, model, pop=pop, eps=eps, rank=subspace)(x, y, key, window(state, key, step, every))
 
 def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:float, rank:int):
   def E(k:int, i:int, shape:tuple[int, ...]) -> Tensor:
@@ -132,9 +132,9 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   return X
 
 @estimator("zomuon", eps=Option("the perturbation scale ε", check=POSITIVE),
-           rank=Option("r, the dimension of a matrix's subspace P", check=POSITIVE),
+           subspace=Option("r, the dimension of a matrix's subspace P", check=POSITIVE),
            every=Option("ν, the steps that keep one subspace P", check=POSITIVE))
-def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3, rank:int=4,
+def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3, subspace:int=4,
            every:int=50) -> tuple[dict[str, Tensor], Tensor]:
   """ZO-Muon, subspace gradient orthogonalisation (Lang et al., "Powering up zeroth-order training via subspace gradient
   orthogonalization", 2026): each matrix [m, n] is perturbed in the span of P [m, r] (orthonormal columns, kept ν steps) along
@@ -142,7 +142,7 @@ def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:di
     G = Σ_k (L(θ + εPΨ_k) − L(θ)) / (εK) · Ψ_k,   update P msign(G)   (its singular values 1)
   A vector or scalar parameter takes the one-sided estimate along a Gaussian z_k, unorthogonalised. P is the polar factor of a Gaussian
   (msign), which is distributed as the paper's QR of one, from the window's key (window); it is K + 1 forwards a step."""
-  return engine.jit(zomuon_step, model, pop=pop, eps=eps, rank=rank)(x, y, key, window(state, key, step, every))
+  return engine.jit(zomuon_step, model, pop=pop, eps=eps, rank=subspace)(x, y, key, window(state, key, step, every))
 
 def zomuon_step(model, x:Tensor, y:Tensor, key:Tensor, pkey:Tensor, pop:int, eps:float, rank:int):
   P = {n: msign(gaussian(fold(pkey, i), (p.shape[0], min(rank, *p.shape)))) for i, (n, p) in enumerate(model.params.items()) if p.ndim == 2}

@@ -56,7 +56,7 @@ def test_lozo_rank_and_window():
   # A matrix's estimate Σ_k c_k U_k Vᵀ has rank r (float32 products of rank r leave σ_(r+1)/σ_1 ~ 1e-7; 1e-5 is the bound), and its rows
   # lie in V's column span: the steps of one window of ν = 3 stack to rank r, two windows' to 2r. MeZO's Gaussian estimate has full rank.
   model, state, r = Quadratic({"w": (12, 10), "b": (5,)}), {}, 2
-  gs = [step_of("lozo", model, 2, step, state, eps=1e-2, rank=r, every=3)["w"] for step in range(6)]
+  gs = [step_of("lozo", model, 2, step, state, eps=1e-2, subspace=r, every=3)["w"] for step in range(6)]
   def rank(m:np.ndarray) -> int:
     s = np.linalg.svd(m.astype(np.float64), compute_uv=False)
     return int((s > 1e-5 * s[0]).sum())
@@ -81,7 +81,7 @@ def test_zomuon_update_is_orthogonal():
   # take any σ/|G|_F ≥ 1e-3 to 1 within float32 rounding, ~1e-6), so its r singular values are 1 and the rest 0: 1e-3 covers the
   # rounding. MeZO's estimate has D's spread of singular values at the gradient's scale.
   model, r = Quadratic({"w": (12, 10), "v": (10, 30)}), 3
-  for name, g in step_of("zomuon", model, 4, 0, {}, eps=1e-2, rank=r).items():
+  for name, g in step_of("zomuon", model, 4, 0, {}, eps=1e-2, subspace=r).items():
     s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
     assert np.all(np.abs(s[:r] - 1) < 1e-3) and np.all(s[r:] < 1e-3), (name, s)
 
