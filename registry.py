@@ -13,6 +13,8 @@ Besides its options, it may name any of the run's values, which the loop passes 
   tokens     the run's training tokens (an int)
   optimizer  "sgd" or "adamw"
   devices    how many devices to split the population over (a method that doesn't name it runs on one)
+  state      a dict[str, Tensor] the loop keeps for the run, empty at the first step, which the estimator fills and updates in place
+             (a momentum, a curvature estimate): the checkpoint saves each entry and --resume restores it
 
 It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer, or a function
 of the Run that gives one), and `check(run)`, which raises ValueError for a run it can't do, before anything is written.
@@ -22,7 +24,7 @@ import inspect, math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-RUN_VALUES = ("step", "steps", "tokens", "optimizer", "devices")
+RUN_VALUES = ("step", "steps", "tokens", "optimizer", "devices", "state")
 
 @dataclass(frozen=True)
 class Option:

@@ -27,14 +27,15 @@ class UsageError(Exception): pass  # a mistake the user can fix: one line, exit 
 
 def step_key(seed:int, step:int) -> int: return (seed << 32) | step  # the key words are (step, seed)
 
-def save(out:str, model, opt:Optimizer, step:int):
+def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=None):
   """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one intact.
   Written from host copies by the safetensors package: tinygrad's safe_save goes through its CPU device, which compiles helper
   programs with clang even under DEV=CUDA, so a GPU machine without clang lost the whole run at its first checkpoint.
   A write that fails (a full disk, a file size limit, permissions) stops the run with the path and the OS's error, the temp file
   removed and the previous checkpoint as it was."""
   path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
-  tensors = {k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state()}.items()}
+  tensors = {k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state(),
+                                       **{f"state.{k}": t for k, t in (state or {}).items()}}.items()}
   try:
     save_file(tensors, tmp, metadata={"step": str(step)})
     mask = os.umask(0)
@@ -65,10 +66,27 @@ def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Te
     p.assign(st[f"param.{n}"].to(p.device)).realize()
   return st, step
 
-def resume(out:str, model, opt:Optimizer) -> int:
+def resume(out:str, model, opt:Optimizer, state:dict[str, Tensor]|None=None) -> int:
+  """The run's weights, optimizer and estimator state (into `state`) from its checkpoint; the step to go on from."""
   st, step = load_checkpoint(out, model, "--resume")
   opt.load(st)
+  if state is not None: state.update({k.removeprefix("state."): t.contiguous().realize() for k, t in st.items() if k.startswith("state.")})
   return step
+
+def init_from(args, model):
+  """--init RUN: the model's weights from another run's checkpoint, where this run then starts with a fresh optimizer at step 0, on
+  its own --data (pretrain with backprop, adapt with forward passes). The run's model flags must be this one's. A --resume continues
+  from its own checkpoint, and ignores --init."""
+  if not args.init or args.resume: return
+  if not os.path.exists(path := os.path.join(args.init, "config.json")): raise UsageError(f"--init {args.init}: no run there (no config.json)")
+  src = run_config(path)
+  if diff := [k for k in ("model", "vocab", "loops") if src.get(k) != getattr(args, k)]:
+    raise UsageError(f"--init {args.init}: that run's model is another: " +
+                     ", ".join(f"--{typed(k)} {src.get(k)} there, {getattr(args, k)} here" for k in diff))
+  load_checkpoint(args.init, model, "--init", keep="param.")
+
+def carried(entry:Entry, state:dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:  # the state, for an estimator that keeps one
+  return {"state": state} if "state" in entry.takes else {}
 
 def mean_loss(model, x:Tensor, y:Tensor, **kw) -> Tensor: return model.losses(x, y, **kw).mean().realize()
 
@@ -176,7 +194,7 @@ def files(what:str):
   try: yield
   except OSError as e: raise UsageError(f"{what}: {e.filename}: {e.strerror}" if e.filename else f"{what}: {e}") from None
 
-def prepare(args, config:dict, model, opt:Optimizer) -> tuple[int, float]:
+def prepare(args, config:dict, model, opt:Optimizer, state:dict[str, Tensor]) -> tuple[int, float]:
   """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded and its log trimmed to
   it; or a fresh run's refusal of another run's folder, or --force's deletion of that run. Then config.json, metrics.jsonl checked
   writable first. Returns the step to start at, and the seconds its steps took before a --resume."""
@@ -189,7 +207,7 @@ def prepare(args, config:dict, model, opt:Optimizer) -> tuple[int, float]:
   start, trained = 0, 0.0
   with files("--out"):
     if args.resume:
-      start = resume(args.out, model, opt)
+      start = resume(args.out, model, opt, state)
       keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
       with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
       trained = json.loads(keep[-1])["seconds"] if keep else 0.0
@@ -221,7 +239,9 @@ def train(args):
   warmdown = d.warmdown if args.warmdown is None else args.warmdown
   config = {k: v for k, v in vars(args).items() if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   check_memory(args, model)
-  start, trained = prepare(args, config, model, opt)  # the step to start at, and the seconds its steps took before a --resume
+  init_from(args, model)
+  state:dict[str, Tensor] = {}  # what the estimator keeps from step to step (registry.py): its own at the first step, or --resume's
+  start, trained = prepare(args, config, model, opt, state)  # the step to start at, and the seconds its steps took before a --resume
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
@@ -234,8 +254,8 @@ def train(args):
   val, t0 = None, time.perf_counter() - trained  # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
   opts = values(entry, job)
-  def estimate(x:Tensor, y:Tensor, step:int):
-    return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts, **at_step(entry, step))
+  def estimate(x:Tensor, y:Tensor, step:int, state:dict[str, Tensor]=state):
+    return run(model, x, y, args.method, args.pop, step_key(args.seed, step), **opts, **at_step(entry, step), **carried(entry, state))
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
   work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
   with on_signals(stop, kept), open(os.path.join(args.out, "metrics.jsonl"), "a") as log, \
@@ -243,7 +263,9 @@ def train(args):
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
       ts = time.perf_counter()
-      if step == start: engine.compile_ahead(lambda: estimate(x, y, step), work)  # all of the step's kernels at once, then the step
+      # all of the step's kernels at once, then the step. The dry run's JITs are traced, not run: what they would write into the state
+      # is never written, and a pending write left on a tensor runs at the next capture, so the dry run gets a copy of the state
+      if step == start: engine.compile_ahead(lambda: estimate(x, y, step, {k: t.clone() for k, t in state.items()}), work)
       g, loss = estimate(x, y, step)
       opt.scale = min(1.0, (steps - step) / (warmdown * steps)) if warmdown else 1.0
       opt.step(g)  # queued before the check's read, which waits for it: a bad step stops the run before anything saves its weights
@@ -259,7 +281,7 @@ def train(args):
                       draws_s=f"{args.pop / dt:,.0f}")
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
-        save(args.out, model, opt, step + 1)
+        save(args.out, model, opt, step + 1, state)
         saved[0] = step + 1
       if stop:
         bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in {args.out}; continue with "
@@ -354,7 +376,7 @@ def cosine_table(args):
   print(kernels.path(Device.DEFAULT))
   ref = estimate(model, x, y, "backprop", 1, 0)
   rows = {pop: cosines(estimate(model, x, y, args.method, pop, step_key(args.seed, 0), **values(entry, replace(job, pop=pop)),
-                                **at_step(entry, 0)), ref) for pop in args.pops}
+                                **at_step(entry, 0), **carried(entry, {})), ref) for pop in args.pops}
   types = list(next(iter(rows.values())))
   print(f"cosine of {args.method} to the backprop gradient, one batch of {args.batch}x{args.seq}, at {where}\n" + f"{'pop':>7} " +
         " ".join(f"{t:>8}" for t in types))
@@ -445,6 +467,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses")
   p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
   p.add_argument("--out", default="runs/zo", help="output directory: config.json, metrics.jsonl, model.safetensors")
+  p.add_argument("--init", default=None, metavar="RUN", help="start from the weights of the run in folder RUN (its model flags "
+                 "must be this run's), with a fresh optimizer at step 0, on any --data; --resume ignores it")
   p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (with --cosine: "
                  "measure at its weights)")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
