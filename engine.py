@@ -31,7 +31,7 @@ from __future__ import annotations
 import atexit, contextlib, functools, hashlib, importlib.metadata, itertools, os, pathlib, pickle, re, sqlite3, weakref
 from typing import Any, Callable
 import numpy as np
-from tinygrad import Context, Tensor, Variable, dtypes
+from tinygrad import Context, Device, Tensor, Variable, dtypes
 from tinygrad.device import Buffer, MultiBuffer
 from tinygrad.dtype import _from_np_dtype, _to_np_dtype
 from tinygrad.codegen import to_program_context, to_program_key
@@ -408,6 +408,8 @@ def compile_ahead(fn:Callable[[], Any], what:str) -> None:
   try: keys = AHEAD.run(fn)
   finally: AHEAD = None
   keep("zo_ahead", keys, zo_sources(), what)
+
+def backends() -> list[str]: return sorted(Device._devices)  # the backends tinygrad 0.14 knows (DEV's values), which it keeps private
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
   """An empty tensor with its memory, for a JIT to assign into, the caller's to keep: a JIT that assigns into a bare Tensor.empty it

@@ -551,7 +551,7 @@ def default_device() -> str:
   try: Device[device]
   except Exception as e:
     raise UsageError(f"DEV={os.environ.get('DEV', device)}: tinygrad cannot open device {device} ({type(e).__name__}: {e}); "
-                     f"its backends are {', '.join(sorted(Device._devices))}") from None
+                     f"its backends are {', '.join(engine.backends())}") from None
   return device
 
 def check_devices(args:argparse.Namespace):

@@ -119,7 +119,7 @@ class ByKind:
 def forwards(model, method:str, pop:int) -> float:
   """The forwards a step's arithmetic needs (the module's docstring)."""
   if method == "dust": return dust.forwards(dust.recipe(pop, "1M", "sgd", model.n_pblocks))
-  return {"mezo": 2 * pop, "es": pop, "backprop": 3}[method]
+  return {"mezo": 2 * pop, "es": pop, "backprop": 3, "hizoo": 2 * pop + 1, "lozo": 2 * pop, "conmezo": 2 * pop, "zomuon": pop + 1}[method]
 
 def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
@@ -128,7 +128,8 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   d = ESTIMATORS[method].defaults_for(ESTIMATORS[method].run(model, pop))
   opt, step = optim.Optimizer(model.params, optim.learning_rates(model.params, d, None), "sgd", d.momentum, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
-  def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts)
+  state = {"state": {}} if "state" in ESTIMATORS[method].takes else {}  # what an estimator keeps from step to step, as zo.py's loop
+  def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts, **state, **zo.at_step(ESTIMATORS[method], step[0]))
   def run():
     step[0] += 1
     g, loss = estimate()

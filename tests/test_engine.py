@@ -33,7 +33,7 @@ def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
     if isinstance(node, ast.Import) and algorithm:
       bad += [f"imports {a.name}" for a in node.names if a.name.startswith("tinygrad") and not a.name.startswith("tinygrad.nn")]
     if isinstance(node, ast.Attribute):
-      own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+      own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os")  # os._exit is the standard library's
       if (node.attr.startswith("_") and not node.attr.startswith("__") and not own) or node.attr in INTERNALS or \
          (algorithm and node.attr == "uop"):
         bad.append(f"line {node.lineno}: .{node.attr}")

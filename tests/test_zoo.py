@@ -1,7 +1,7 @@
 """Tests of zoo.py's estimators against their defining properties, on a synthetic quadratic L(θ) = ½ Σ h ⊙ (θ − 1)² (a "model" with a
 params dict and losses(x, y, params=...), all the estimators touch), and of --init. The quadratic's loss is exact at any ε, and its
 kernels compile in seconds where the tiny GPT's take tens of seconds per estimator on 2 cores."""
-import json, math, os, subprocess, sys
+import contextlib, json, math, os, subprocess, sys
 from pathlib import Path
 import numpy as np
 import pytest
@@ -131,3 +131,14 @@ def test_init_from_a_run(tmp_path:Path):
                       (["--init", str(tmp_path / "none")], "no run there"),):
     r = cli(*RUN, "--method", "mezo", "--steps", "1", "--init", str(src), *flags, "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr[-2000:]
+
+def test_resume_with_state_continues_exactly(tmp_path:Path, monkeypatch):
+  # ConMeZO's momentum lives in the estimator's state: a checkpoint without it (or a resume that doesn't restore it) starts the second
+  # part from m = 0, whose directions differ, and steps 2 and 3 change
+  monkeypatch.setattr(zo, "on_signals", lambda *a: contextlib.nullcontext())  # zo.main's signal thread is the process's, not a test's
+  run = [*RUN, "--method", "conmezo", "--lr", "3e-3", "--ckpt-every", "2"]
+  zo.main([*run, "--steps", "4", "--out", str(tmp_path / "full")])
+  zo.main([*run, "--steps", "2", "--out", str(tmp_path / "split")])
+  zo.main([*run, "--steps", "4", "--out", str(tmp_path / "split"), "--resume"])
+  def losses(p:Path) -> list[float]: return [json.loads(line)["train_loss"] for line in open(p / "metrics.jsonl")]
+  assert losses(tmp_path / "split") == losses(tmp_path / "full"), (losses(tmp_path / "split"), losses(tmp_path / "full"))
