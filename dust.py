@@ -64,11 +64,13 @@ def run_recipe(run:Run) -> Recipe:
   fault of the population or the optimizer itself reported as such."""
   o = run.options
   def make(direct:float, qkv:float) -> Recipe:
-    return recipe(run.pop, budget(run.tokens), run.optimizer, run.model.n_pblocks, o["noise"], direct_scale=direct, qkv_scale=qkv)
+    return recipe(run.pop, budget(run.tokens), run.optimizer, run.model.n_pblocks, o["noise"], direct_scale=direct,
+                  qkv_scale=qkv)
   try: return make(o["direct_scale"], o["qkv_scale"])
   except ValueError as e:
     make(1.0, 1.0)
-    raise ValueError(" ".join(f"--{n.replace('_', '-')} {o[n]}" for n in ("direct_scale", "qkv_scale") if o[n] != 1) + f": {e}") from None
+    flags = " ".join(f"--{n.replace('_', '-')} {o[n]}" for n in ("direct_scale", "qkv_scale") if o[n] != 1)
+    raise ValueError(f"{flags}: {e}") from None
 
 def check(run:Run):
   """The run's recipe exists, and the kernels can number every group's chunks (engine.START numbers a call's first
@@ -77,24 +79,27 @@ def check(run:Run):
   groups = [(c // rc.per_chunk, rc.per_chunk * tokens, 1) for c in rc.counts()]
   if run.options["head"] == "slabs": groups.append((rc.head // rc.per_chunk, S * rc.per_chunk * tokens, S))
   if (n := max(last_call_start(c, t, device(run.model), run.devices, u) for c, t, u in groups)) > engine.START.vmax:
-    raise ValueError(f"--pop {run.pop}: Dust's kernels number a group's chunks of draws up to {engine.START.vmax + 1:,}, and one "
-                     f"starts a call at {n:,}")
+    raise ValueError(f"--pop {run.pop}: Dust's kernels number a group's chunks of draws up to "
+                     f"{engine.START.vmax + 1:,}, and one starts a call at {n:,}")
 
-def defaults(run:Run) -> Defaults:  # the recipe's optimizer settings (docs/dust.md §4): its groups' lrs as multiples of its base lr
+def defaults(run:Run) -> Defaults:
+  """The recipe's optimizer settings (docs/dust.md §4): its groups' lrs as multiples of its base lr."""
   rc = run_recipe(run)
-  return Defaults(lr=rc.lr, momentum=rc.momentum, groups={p: lr / rc.lr for p, lr in rc.group_lr.items()}, warmdown=rc.warmdown)
+  return Defaults(lr=rc.lr, momentum=rc.momentum, groups={p: lr / rc.lr for p, lr in rc.group_lr.items()},
+                  warmdown=rc.warmdown)
 
 # ***** the estimator: §3's steps in order *****
 
 @estimator("dust", defaults=defaults, check=check,
-           noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
-           head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
-                       "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),
-           direct_scale=Option("the recipe's direct draws (writers, hidden, hubs, embedding) times this, each count still a whole "
-                               "number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of the recipe's "
-                               "step (docs/dust.md §3.6)", check=POSITIVE),
-           qkv_scale=Option("the recipe's draws of the attention's q, k and v times this, each count still a whole number of chunks; "
-                            "4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.5)", check=POSITIVE))
+  noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
+  head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
+              "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),
+  direct_scale=Option("the recipe's direct draws (writers, hidden, hubs, embedding) times this, each count still a "
+                      "whole number of chunks (1.5 or 2 at pop 1024); 1.5 with --head exact takes about the time of "
+                      "the recipe's step (docs/dust.md §3.6)", check=POSITIVE),
+  qkv_scale=Option("the recipe's draws of the attention's q, k and v times this, each count still a whole number of "
+                   "chunks; 4 with --head exact --direct-scale 1.5 is the race's best (docs/dust.md §3.5)",
+                   check=POSITIVE))
 def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", tokens:int=10**6, noise:str="gaussian",
          head:str="slabs", direct_scale:float=1.0, qkv_scale:float=1.0, rc:Recipe|None=None, rerun:str="block",
          devices:int=1) -> tuple[dict[str, Tensor], Tensor]:
@@ -102,15 +107,16 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", to
   `rc`). rerun: "block" starts each jittered pass at its block (§3.10), "full" reruns the whole model. head: "slabs"
   estimates the head's errors from draws (§3.6), "exact" computes them. devices: split every group's chunks over this
   many devices."""
-  rc = rc or recipe(pop, budget(tokens), optimizer, model.n_pblocks, noise, direct_scale=direct_scale, qkv_scale=qkv_scale)
+  rc = rc or recipe(pop, budget(tokens), optimizer, model.n_pblocks, noise, direct_scale=direct_scale,
+                    qkv_scale=qkv_scale)
   # 1. the capture: every site's input and output, on every device (§3.2)
   work = [clean_pass(m, *inputs(m, x, y, key)) for m in replicas(model, devices)]
   # 2. direct draws, block by block: the writers, then the hidden layer; then the embedding (§3.3)
   err, s = {}, rc.sigma
   for l in range(model.n_pblocks):
     h = f"transformer.h.{l}"
-    err |= direct_errors(work, rc, "writers", l, {f"{h}.attn.c_proj": s["attn.c_proj"], f"{h}.mlp.c_proj": s["mlp.c_proj"]},
-                         rc.writers[l], rerun)
+    writers = {f"{h}.attn.c_proj": s["attn.c_proj"], f"{h}.mlp.c_proj": s["mlp.c_proj"]}
+    err |= direct_errors(work, rc, "writers", l, writers, rc.writers[l], rerun)
     err |= direct_errors(work, rc, "hidden", l, {f"{h}.mlp.c_fc": s["mlp.c_fc"]}, rc.hidden[l], rerun)
   err |= direct_errors(work, rc, "embedding", None, {"transformer.wte": s["embedding"]}, rc.embedding, rerun)
   # 3. the hubs' errors, and the attention internals scored against them (§3.4, §3.5)
@@ -140,7 +146,7 @@ def recorded(model, site:str, depth:int|None) -> str:
   """The capture's name of a site's output at a depth: the site itself, or `site@i` at loop i of the looped model."""
   return site if depth is None else site + model.tag(depth)
 
-def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies along the batch: one per draw
+def tile(t:Tensor, n:int) -> Tensor: return t.repeat((n,) + (1,) * (t.ndim - 1))  # n copies of the batch: one per draw
 
 # ***** direct draws: writers, hidden, embedding, hubs (§3.3, §3.4) *****
 
@@ -155,27 +161,30 @@ def direct_errors(work:list[Worker], rc:Recipe, group:str, l:int|None, sigma:dic
   sites = tuple(sigma)
   outs = tuple((j, d, work[0].rec[recorded(model, site, d)].shape[-1]) for j, site in enumerate(sites) for d in depths)
   def ins(w:Worker) -> tuple: return w.x, w.y, w.model.rerun_stream(w.rec, sites) if rerun == "block" else {}
-  E = sum_draws(direct_chunk, [(w.model, w.key, ins(w)) for w in work], path=(GROUPS.index(group), 0 if l is None else l),
-                chunks=n // rc.per_chunk, tokens=rc.per_chunk * B * T, shapes=[(B, T, w) for *_, w in outs], ints={"K": n},
+  E = sum_draws(direct_chunk, [(w.model, w.key, ins(w)) for w in work], path=(GROUPS.index(group), l or 0),
+                chunks=n // rc.per_chunk, tokens=rc.per_chunk * B * T, shapes=[(B, T, w) for *_, w in outs],
+                ints={"K": n},
                 sites=sites, sigma=tuple(sigma.values()), per_chunk=rc.per_chunk, outs=outs, rerun=rerun,
                 gamma=rc.gamma0 if l == 0 else 0.0, noise=rc.noise)
   return {(sites[j], d): e for (j, d, _), e in zip(outs, E)}
 
 def direct_chunk(model, keys:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor], K:Tensor, sites:tuple[str, ...],
-                 sigma:tuple[float, ...], per_chunk:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str, gamma:float,
-                 noise:str) -> list[Tensor]:
+                 sigma:tuple[float, ...], per_chunk:int, outs:tuple[tuple[int, int|None, int], ...], rerun:str,
+                 gamma:float, noise:str) -> list[Tensor]:
   """G chunks of direct draws in one pass (keys [G, 2]), per_chunk draws each, one per copy of the batch; outs lists
   (site index, depth, width) of the estimates. Returns this pass's part of ĝ_t = −1/(σK) Σ_i r̃_t a_t for each."""
   B, T, G = *y.shape[:2], keys.shape[0]
   ks = [fold(keys, j) for j in range(len(sites))]  # each site's own noise
-  loss = model.losses(tile(x, G * per_chunk), tile(y, G * per_chunk), dict(zip(sites, zip(ks, sigma, (noise,) * len(sites)))),
+  jitter = {site: (k, s, noise) for site, k, s in zip(sites, ks, sigma)}
+  loss = model.losses(tile(x, G * per_chunk), tile(y, G * per_chunk), jitter,
                       stream if rerun == "block" else None).reshape(G, per_chunk, B, T)
   # r_t = ℓ⁰_t − ℓ_t centred over the chunk's draws: ℓ⁰ cancels, r̃ = mean ℓ − ℓ (a draw in its own baseline: (n−1)/n of
   # g)
   reward = loss.mean(1, keepdim=True) - loss
   if gamma: reward = reward_to_go(reward, gamma)  # block 0 under AdamW (§3.12)
   def a(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d
-    return runs(ks[j] if d is None else model.site_key(ks[j], d), (G * per_chunk * B, T, w), noise).reshape(G, per_chunk, B, T, w)
+    key = ks[j] if d is None else model.site_key(ks[j], d)
+    return runs(key, (G * per_chunk * B, T, w), noise).reshape(G, per_chunk, B, T, w)
   return [-(reward.unsqueeze(-1) * a(j, d, w)).sum((0, 1)) / (sigma[j] * K) for j, d, w in outs]
 
 def reward_to_go(r:Tensor, gamma:float) -> Tensor:
@@ -187,7 +196,7 @@ def credit(T:int, window:int, gamma:float) -> Tensor:
   """C[t, s] = γ^(s−t) for 0 <= s−t <= window: the discounted credit of a perturbation at t over the outputs s it
   reaches."""
   lag = Tensor.arange(T).reshape(1, T) - Tensor.arange(T).reshape(T, 1)
-  return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0).contiguous()  # not recomputed inside the matmul
+  return ((lag >= 0) & (lag <= window)).where(gamma ** lag.float(), 0.0).contiguous()  # not recomputed in the matmul
 
 # ***** the attention: hub targets and local draws on the internals (§3.4, §3.5) *****
 
@@ -197,13 +206,15 @@ def attention_errors(work:list[Worker], rc:Recipe, rerun:str) -> dict[tuple[str,
   at a time."""
   model, err, targets = work[0].model, {}, {}
   for l in range(model.n_pblocks):
-    targets |= {d: t for (_, d), t in direct_errors(work, rc, "hubs", l, {f"o@{l}": rc.sigma["hubs"][l]}, rc.hubs[l], rerun).items()}
+    hub = direct_errors(work, rc, "hubs", l, {f"o@{l}": rc.sigma["hubs"][l]}, rc.hubs[l], rerun)
+    targets |= {d: t for (_, d), t in hub.items()}
   # copied to every device before any local work is queued: a copy out of a device waits for all the work queued on it
   for w in work: w.targets = {i: t.to(w.x.device).realize() for i, t in targets.items()}
   for i in targets:
     for w in work: w.attn = CleanAttention.capture(w.model, w.rec, i)
-    for kind in local_kinds(model, i):  # the recipe for n_layer=1 allots gate and ve draws, which the looped model can't use
-      if n := rc.local[kind][model.pblock(i)]: err[error_site(kind, model.pblock(i)), i] = local_errors(work, rc, kind, i, n)
+    l = model.pblock(i)
+    for kind in local_kinds(model, i):  # n_layer=1's recipe allots gate and ve draws, which the looped model can't use
+      if n := rc.local[kind][l]: err[error_site(kind, l), i] = local_errors(work, rc, kind, i, n)
     for w in work: w.attn.jit.release()
   return err
 
@@ -212,10 +223,11 @@ def local_errors(work:list[Worker], rc:Recipe, kind:str, i:int, n:int) -> Tensor
   (gate)."""
   att = work[0].attn
   B, T, H, hd = att.t["q"].shape
-  (E,) = sum_draws(local_chunk, [(w.model, w.key, (w.attn.t, w.targets[i])) for w in work], path=(GROUPS.index(kind), i),
-                   chunks=n // rc.per_chunk, tokens=rc.per_chunk * B * T, shapes=[(B, T, H if kind == "gate" else H * hd)],
-                   ints={"K": n}, kind=kind, window=att.window, sigma=rc.sigma["local"], gamma=rc.gamma, per_chunk=rc.per_chunk,
-                   noise=rc.noise)
+  (E,) = sum_draws(local_chunk, [(w.model, w.key, (w.attn.t, w.targets[i])) for w in work],
+                   path=(GROUPS.index(kind), i), chunks=n // rc.per_chunk, tokens=rc.per_chunk * B * T,
+                   shapes=[(B, T, H if kind == "gate" else H * hd)],
+                   ints={"K": n}, kind=kind, window=att.window, sigma=rc.sigma["local"], gamma=rc.gamma,
+                   per_chunk=rc.per_chunk, noise=rc.noise)
   return E
 
 def local_chunk(model, keys:Tensor, clean:dict[str, Tensor], target:Tensor, K:Tensor, kind:str, window:int, sigma:float,
@@ -225,19 +237,21 @@ def local_chunk(model, keys:Tensor, clean:dict[str, Tensor], target:Tensor, K:Te
   its own token's score, the others by the discounted sum over the later outputs they reach."""
   att, n = CleanAttention(model, window, clean), keys.shape[0] * per_chunk
   B, T, H, hd = clean["q"].shape
-  shape, s = ((per_chunk * B, T, H), 2 * sigma) if kind == "gate" else ((per_chunk * B, T, H, hd), sigma)  # the gate: two-sided
+  # the gate is moved two-sided, by ±σ a: its slope divides by 2σ
+  shape, s = ((per_chunk * B, T, H), 2 * sigma) if kind == "gate" else ((per_chunk * B, T, H, hd), sigma)
   a = NOISES[noise](fold(keys, 0), shape).reshape(n * B, *shape[1:])
   score = (att.delta(kind, a, sigma, n) * tile(target.reshape(B, T, H, hd), n)).sum(-1)  # [n B, T, H]
   # realized: fused into the sum over draws below, the gate's credit matmul made one kernel that was slow to compile
   R = score if kind == "q" else (credit(T, att.window, gamma) @ score).contiguous()
   return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(n, B, T, -1).sum(0) / (s * K)]
 
-def error_site(kind:str, l:int) -> str:
-  return f"value_embeds.{l}" if kind == "ve" else f"transformer.h.{l}.attn." + {"q": "c_q", "k": "c_k", "v": "c_v", "gate": "ve_gate"}[kind]
+def error_site(kind:str, l:int) -> str:  # the module whose weight a kind's errors update
+  if kind == "ve": return f"value_embeds.{l}"
+  return f"transformer.h.{l}.attn." + {"q": "c_q", "k": "c_k", "v": "c_v", "gate": "ve_gate"}[kind]
 
 def gate(z:Tensor) -> Tensor: return 2 * z.sigmoid()
 
-def local_kinds(model, i:int) -> list[str]:  # gate and ve only where depth i has value embeddings (the looped model never has)
+def local_kinds(model, i:int) -> list[str]:  # gate and ve where depth i has value embeddings (never in a looped model)
   return [kind for kind in KINDS if kind in ("q", "k", "v") or model.has_ve(i)]
 
 class CleanAttention:
@@ -267,7 +281,8 @@ class CleanAttention:
     """Δo, the change of the attention output when every token's `kind` moves by σ a (a: [n B, T, H(, hd)]), all outputs
     at once."""
     t = self.t
-    if kind in ("q", "k"): return moved(t, t["qh"], t["kh"], t["u"], self.hat(tile(t[kind], n) + sigma * a), kind, self.window)
+    if kind in ("q", "k"):
+      return moved(t, t["qh"], t["kh"], t["u"], self.hat(tile(t[kind], n) + sigma * a), kind, self.window)
     z, e = (tile(t[name], n) if name in t else None for name in ("z", "e"))
     du = {"v": lambda: sigma * a, "ve": lambda: sigma * a * gate(z).unsqueeze(-1),  # exact by linearity in u
           "gate": lambda: (gate(z + sigma * a) - gate(z - sigma * a)).unsqueeze(-1) * e}[kind]()
@@ -295,12 +310,13 @@ def head_errors(work:list[Worker], rc:Recipe, head:str) -> Tensor:
   if head == "exact": return engine.jit(head_exact, w0.model)(w0.rec["lm_head"], w0.y)
   (B, T, V), S = w0.rec["lm_head"].shape, slabs(w0.model)
   (E,) = sum_draws(head_chunk, [(w.model, w.key, (clean_head(w.model, w.rec["lm_head"], w.y), w.y)) for w in work],
-                   path=(GROUPS.index("head"), 0), chunks=rc.head // rc.per_chunk, run=S, tokens=S * rc.per_chunk * B * T,
+                   path=(GROUPS.index("head"), 0), chunks=rc.head // rc.per_chunk, run=S,
+                   tokens=S * rc.per_chunk * B * T,
                    shapes=[(B, T, S, V // S)], ints={"K": rc.head // S}, sigma=rc.sigma["head"], per_chunk=rc.per_chunk,
                    noise=rc.noise)
   return E.reshape(B, T, V)
 
-def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1  # else one slab of the vocab's width
+def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1  # else one, all the vocab
 
 def clean_head(model, z:Tensor, y:Tensor) -> dict[str, Tensor]:
   """The clean raw logits z as [B, T, S, W] slabs, and what every draw reuses: the softcapped logits' exp-sum per slab,
@@ -322,7 +338,8 @@ def head_chunk(model, keys:Tensor, clean:dict[str, Tensor], y:Tensor, K:Tensor, 
   B, T, S, W = clean["z"].shape
   slab_sum = clean["slab_sum"]
   def slab(m:int) -> Tensor:
-    a = NOISES[noise](keys[:, m], (per_chunk, B, T, W)).reshape(-1, B, T, W).contiguous()  # materialized: three reductions read it
+    # materialized: three reductions read it
+    a = NOISES[noise](keys[:, m], (per_chunk, B, T, W)).reshape(-1, B, T, W).contiguous()
     c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
@@ -368,21 +385,23 @@ def weight_grads(work:list[Worker], err:dict[tuple[str, int|None], Tensor],
   into buffers allocated here, so the estimate is the caller's to keep: a JIT's own outputs would be overwritten by the
   next step."""
   model, rec = work[0].model, work[0].rec
-  out, mean = {n: engine.empty(*p.shape, device=p.device) for n, p in model.params.items()}, engine.empty(device=work[0].y.device)
+  out = {n: engine.empty(*p.shape, device=p.device) for n, p in model.params.items()}
+  mean = engine.empty(device=work[0].y.device)
   ins = [rec[recorded(model, s + ":in", d)] for s, d in err]
   engine.jit(gradients, model, sites=tuple(err))(list(err.values()), ins, scalars, work[0].loss, out, mean)
   for w in work: w.jit.release()
   return out, mean
 
-def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, Tensor], loss:Tensor, out:dict[str, Tensor],
-              mean:Tensor, sites:tuple[tuple[str, int|None], ...]):
+def gradients(model, errs:list[Tensor], inputs:list[Tensor], scalars:dict[str, Tensor], loss:Tensor,
+              out:dict[str, Tensor], mean:Tensor, sites:tuple[tuple[str, int|None], ...]):
   """The outer products into `out`: a weight used at several depths (tied across loops) sums them; a block without draws
   gets zeros (no update)."""
   grads = dict(scalars)
   for (s, _), e, inp in zip(sites, errs, inputs):
     n, g = f"{s}.weight", weight_grad(e, inp, model.params[f"{s}.weight"].shape)
     grads[n] = grads[n] + g if n in grads else g
-  Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()], mean.assign(loss.mean()))
+  Tensor.realize(*[o.assign(grads[n] if n in grads else o.zeros_like()) for n, o in out.items()],
+                 mean.assign(loss.mean()))
 
 def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
   """(1/N) Σ_t ĝ_t x_tᵀ over the N tokens, or for an embedding a scatter-add of the errors into the rows of the token

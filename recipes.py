@@ -10,8 +10,10 @@ import numpy as np
 from kernels.noise import NOISES
 from model import GPTConfig
 
-POPULATIONS = (64, 256, 1024, 4096, 16384)  # the release's SGD cells; AdamW takes any multiple of 256 whose counts split into chunks
-PER_CHUNK = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}  # draws per chunk; a population between cells takes the one below
+# the release's SGD cells; AdamW takes any multiple of 256 whose counts split into chunks
+POPULATIONS = (64, 256, 1024, 4096, 16384)
+# draws per chunk; a population between cells takes the one below
+PER_CHUNK = {64: 2, 256: 2, 1024: 8, 4096: 8, 16384: 16}
 KINDS = ("q", "v", "gate", "k", "ve")  # the attention internals, in the release's order (§3.5)
 QKV = ("q", "k", "v")  # the kinds that qkv_scale multiplies: the attention's query, key and value
 
@@ -35,7 +37,8 @@ SGD_16K_10M = Table(SGD_16K_WRITERS, SGD_16K_WRITERS, (12, 10, 8, 4, 4, 4, 4, 4)
 # value embeddings 72
 ADAMW = Table((4,) * 8, (8,) * 8, (8,) * 8, 32, {"q": 2, "v": 20, "gate": 6, "k": 12, "ve": 72})
 # zo's P = 64, absolute counts: 64 isn't a multiple of 256 (§3.11)
-POP64 = Table((6, 4, 2, 2, 2, 2, 2, 2), (6, 4, 2, 2, 2, 2, 2, 2), (2,) * 8, 4, {"q": 2, "v": 6, "gate": 2, "k": 4, "ve": 2})
+POP64_WRITERS = (6, 4, 2, 2, 2, 2, 2, 2)
+POP64 = Table(POP64_WRITERS, POP64_WRITERS, (2,) * 8, 4, {"q": 2, "v": 6, "gate": 2, "k": 4, "ve": 2})
 # the release's SGD (lr, momentum) per budget and population (§4.1)
 SGD_LR = {"1M": {256: (0.25, 0.95), 1024: (0.225, 0.95), 4096: (0.225, 0.98), 16384: (0.225, 0.98)},
           "10M": {256: (0.175, 0.95), 1024: (0.25, 0.95), 4096: (0.25, 0.95), 16384: (0.25, 0.95)}}
@@ -51,16 +54,19 @@ class Recipe:
   head:int                           # the head's slab draws (§3.6)
   local:dict[str, tuple[int, ...]]   # kind -> per block draws; gate and ve are 0 off the value-embedding blocks
   gamma:float                        # credit decay of the local draws of k, v, gate, ve (§3.5)
-  gamma0:float                       # credit decay of block 0's direct draws: 0 rewards each token's own loss only (§3.12)
-  sigma:dict[str, float | tuple[float, ...]]  # per site family ("attn.c_proj", "mlp.c_proj", "mlp.c_fc", ...); "hubs" per block
+  gamma0:float                       # block 0's direct draws: the reward-to-go's decay; 0: a token's own loss (§3.12)
+  # the jitter's scale per site family: "attn.c_proj", "mlp.c_proj", "mlp.c_fc", "embedding", "hubs" (per block),
+  # "head", "local" (the attention internals), "scalars"
+  sigma:dict[str, float | tuple[float, ...]]
   scalar_draws:int
   lr:float                           # matrices and head
   momentum:float                     # SGD momentum, or AdamW's beta1 (its beta2 is 0.95, optim.py)
   group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §3.14
   warmdown:float                     # the fraction of the steps at the end over which the lr falls linearly to zero
-  noise:str = "gaussian"             # every draw's distribution (kernels/noise.py NOISES): "gaussian" (§3), or "rademacher", +-1
+  noise:str = "gaussian"             # every draw's distribution (kernels/noise.py): "gaussian", or "rademacher" (±1)
 
-  def lr_for(self, name:str) -> float: return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
+  def lr_for(self, name:str) -> float:
+    return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
   def counts(self) -> list[int]:  # every count that splits into chunks: the direct draws' and the local draws'
     return [*self.writers, *self.hidden, *self.hubs, self.embedding, *(c for v in self.local.values() for c in v)]
 
@@ -70,7 +76,8 @@ def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   8), a split of each old block for n > 8. Shares are rounded to units by largest remainder, with at least one unit per
   block where the total allows it (a block without draws would never learn)."""
   if n == len(counts): return counts
-  mass = np.interp(np.arange(n + 1) * len(counts) / n, np.arange(len(counts) + 1), np.concatenate([[0], np.cumsum(counts)]))
+  edges = np.arange(n + 1) * len(counts) / n
+  mass = np.interp(edges, np.arange(len(counts) + 1), np.concatenate([[0], np.cumsum(counts)]))
   share = np.diff(mass) / unit
   total, least = round(share.sum()), 1 if share.sum() >= n else 0
   units = np.maximum(np.floor(share + 1e-9), least)
@@ -91,12 +98,13 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   if noise not in NOISES: raise ValueError(f"unknown noise {noise!r}: {' or '.join(NOISES)}")
   adam = optimizer != "sgd"
   if adam and (population < 256 or population % 256):
-    raise ValueError(f"Dust's AdamW recipe counts its draws per 256 of population: the population must be a multiple of 256, "
-                     f"not {population}")
+    raise ValueError(f"Dust's AdamW recipe counts its draws per 256 of population: the population must be a multiple "
+                     f"of 256, not {population}")
   if not adam and population not in POPULATIONS:
     raise ValueError(f"Dust supports populations {', '.join(map(str, POPULATIONS))}, not {population}")
   per_chunk = PER_CHUNK[max(p for p in PER_CHUNK if p <= population)]
-  table = ADAMW if adam else POP64 if population == 64 else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
+  sgd = POP64 if population == 64 else SGD_16K_10M if (population, budget) == (16384, "10M") else SGD
+  table = ADAMW if adam else sgd
   scale = 1 if table is POP64 else population / 256  # POP64's counts are absolute
   direct = scale * direct_scale
   writers, hidden, hubs = (resample(tuple(round(c * direct) for c in t), n_layer, per_chunk)
@@ -107,26 +115,30 @@ def recipe(population:int, budget:str="1M", optimizer:str="sgd", n_layer:int=8, 
   times = {kind: scale * (qkv_scale if kind in QKV else 1) for kind in table.local}  # each kind's multiple of its count
   r = Recipe(population=population, per_chunk=per_chunk, writers=writers, hidden=hidden, hubs=hubs,
              embedding=round(table.embedding * direct), head=(3 if adam else 4) * population,
-             local={kind: tuple(round(c * times[kind]) if kind not in ("gate", "ve") or has_ve(l) else 0 for l in range(n_layer))
-                    for kind, c in table.local.items()},
+             local={kind: tuple(round(c * times[kind]) if kind not in ("gate", "ve") or has_ve(l) else 0
+                                for l in range(n_layer)) for kind, c in table.local.items()},
              gamma=0.99 if table is SGD_16K_10M else 0.98, gamma0=0.3 if adam else 0.0,
              # the record's embedding is 0.8: four times the release's, twice the paper's Adam recipe (§3.14)
-             sigma={"attn.c_proj": 0.2 * s, "mlp.c_proj": 0.2 * s, "mlp.c_fc": 0.2 * s, "embedding": 0.8 if adam else 0.2,
-                    "head": 0.05 * s, "local": 0.05 * s, "scalars": 0.03 * s,
+             sigma={"attn.c_proj": 0.2 * s, "mlp.c_proj": 0.2 * s, "mlp.c_fc": 0.2 * s,
+                    "embedding": 0.8 if adam else 0.2, "head": 0.05 * s, "local": 0.05 * s, "scalars": 0.03 * s,
                     # the deeper half of the hubs moves the loss too little at 0.2
                     "hubs": tuple((0.2 if 2 * l < n_layer else 0.4) * s for l in range(n_layer))},
              scalar_draws=8, lr=lr, momentum=momentum,
-             group_lr={"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr, "x0_lambdas": 30 * lr}
-                      if adam else {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
+             group_lr={"transformer.wte": 300 * lr, "value_embeds": 300 * lr, "resid_lambdas": 30 * lr,
+                       "x0_lambdas": 30 * lr} if adam else
+                      {"transformer.wte": 1000.0, "value_embeds": 0.3, "resid_lambdas": 0.03, "x0_lambdas": 0.03},
              warmdown=0.3 if adam else 0.0, noise=noise)
-  scaled = [f"its {draws} draws scaled by {x}" for draws, x in (("direct", direct_scale), ("q, k, v", qkv_scale)) if x != 1]
+  scales = (("direct", direct_scale), ("q, k, v", qkv_scale))
+  scaled = [f"its {draws} draws scaled by {x}" for draws, x in scales if x != 1]
   what = f"population {population}" + (f" with {' and '.join(scaled)}" if scaled else "")
   if any(c % per_chunk for c in r.counts()) or r.head % (per_chunk * 16):  # §3.9, one device
-    raise ValueError(f"{what}: its draw counts don't split into chunks of {per_chunk} draws (and the head's into 16 slabs of them)")
+    raise ValueError(f"{what}: its draw counts don't split into chunks of {per_chunk} draws "
+                     "(and the head's into 16 slabs of them)")
   # a site without draws would never learn
   if direct_scale < 1 and 0 in (*r.writers, *r.hidden, *r.hubs, r.embedding):
     raise ValueError(f"{what}: a block or the embedding gets none")
-  if qkv_scale < 1 and 0 in (c for kind in QKV for c in r.local[kind]): raise ValueError(f"{what}: a block gets no q, k or v draws")
+  if qkv_scale < 1 and 0 in (c for kind in QKV for c in r.local[kind]):
+    raise ValueError(f"{what}: a block gets no q, k or v draws")
   return r
 
 def budget(tokens:int) -> str:
@@ -140,5 +152,5 @@ def forwards(rc:Recipe) -> float:
   and the attention internals' draws rerun no network (a slab of the cached logits; one attention), so they count as
   none."""
   L = len(rc.writers)
-  return 1 + rc.embedding + 2 * rc.scalar_draws + sum((w + h + u) * (L - l) / L
-                                                      for l, (w, h, u) in enumerate(zip(rc.writers, rc.hidden, rc.hubs)))
+  reruns = sum((w + h + u) * (L - l) / L for l, (w, h, u) in enumerate(zip(rc.writers, rc.hidden, rc.hubs)))
+  return 1 + rc.embedding + 2 * rc.scalar_draws + reruns
