@@ -1,6 +1,6 @@
 """Tests of dust.py: the recipe tables and their rules, no autograd in the estimator, rerun-from-block = full rerun, the cosine to
 the autograd gradient rising with the population per layer type, and per-token node perturbation beating weight-space ES."""
-import copy, math
+import copy, math, pathlib, re
 from dataclasses import replace
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from kernels import flash
 from kernels.loss import cross_entropy
 from kernels.noise import gaussian, key, runs
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import devices, dust, engine, estimators, recipes
+import devices, dust, engine, estimators, optim, recipes
 
 B, T = 4, 16
 TYPES = {"c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj", "attn.c_proj": "attn.c_proj", "q": "attn.c_q", "k": "attn.c_k", "v": "attn.c_v",
@@ -456,3 +456,37 @@ def test_looped_cosine_rises_with_population(looped):
   assert c[64]["all"] > 0 and c[64]["block"] > 0, c
   assert all(c[1024][t] > c[64][t] for t in groups), c
   assert all(c[1024][t] > c[64][t] + 0.1 for t in groups if t not in ("all", "lm_head")), c  # the head is already good at 64
+
+# ***** docs/dust.md §3.16, "Change Dust": each worked change takes effect, and a few SGD steps with it lower the loss *****
+
+def changes() -> list[str]:
+  text = (pathlib.Path(__file__).resolve().parent.parent / "docs/dust.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text[text.index("### 3.16 Change Dust"):text.index("## 4. Optimisers")], re.S)
+
+@pytest.mark.parametrize("change", range(3))
+def test_change_dust(setup, change:int):
+  model, x, y, _ = setup
+  assert len(changes()) == 3
+  rc = dust.recipe(64, n_layer=model.n_pblocks)  # the recipe that `estimate` runs
+  scope = {"rc": rc, "replace": replace}
+  exec(changes()[change], scope)
+  changed = scope["changed"]
+  base = estimate(setup, 64, 1)
+  new = {n: g.numpy() for n, g in estimators.estimate(model, x, y, "dust", 64, 1, rc=changed).items()}
+  moved = {n for n in base if not np.array_equal(base[n], new[n])}
+  blocks = range(model.n_pblocks)
+  writers = {f"transformer.h.{l}.{m}.c_proj.weight" for l in blocks for m in ("attn", "mlp")}
+  if change == 0: assert moved == writers, moved
+  if change == 1:
+    assert sum(changed.writers) + sum(changed.hubs) == sum(rc.writers) + sum(rc.hubs) and changed.hubs != rc.hubs
+    assert writers <= moved and any(".attn.c_v" in n for n in moved), moved
+    assert not any(k in n for n in moved for k in ("c_fc", "wte", "lm_head", "lambdas")), moved
+  if change == 2: assert moved and all(n.startswith("transformer.h.0.") for n in moved), moved
+  fresh = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0)
+  opt = optim.Optimizer(fresh.params, {n: changed.lr_for(n) for n in fresh.params}, "sgd", changed.momentum, 0)
+  losses = []
+  for step in range(5):
+    g, loss = estimators.run(fresh, x, y, "dust", 64, step, rc=changed)
+    losses.append(float(loss.item()))
+    opt.step(g)
+  assert losses[-1] < losses[0], losses
