@@ -102,4 +102,5 @@ def sum_draws(fn:Callable[..., list[Tensor]], work:list[tuple[Any, Tensor, tuple
     bound = {n: integer(n).bind(v) for n, v in (ints or {}).items()}
     parts.append(engine.summed(keyed, owner, key, [v.bind(p) for v, p in zip(PATH, path)], bound, *inputs, shapes=shapes,
                                chunks=range(share.start * r, share.stop * r), per_call=G, draws=fn, run=run, **static))
-  return parts[0] if len(parts) == 1 else [sum(p[i].to(dev) for p in parts) for i in range(len(shapes))]
+  # one part is the sum itself, not a lazy copy of it; it may be the last device's, where a group has fewer runs than devices
+  return [t.to(dev) for t in parts[0]] if len(parts) == 1 else [sum(p[i].to(dev) for p in parts) for i in range(len(shapes))]
