@@ -5,7 +5,7 @@ asks of this module is small:
 
   jit(fn, owner, **static)         fn as a TinyJit per input shape, kept for the process: a step's tensor code runs as replays
   stack(fn, owner, ..., items=...) fn over chunks of items (a population's pairs), one JIT replayed per chunk, results stacked
-  mean(fn, owner, ..., chunks=...) the mean of fn's sums over chunks of draws (Dust's groups), one JIT replayed per chunk call
+  summed(fn, owner, ..., chunks=...) the sum of fn's outputs over chunks of draws, one JIT replayed per chunk call
   compile_ahead(fn, what)          fn's kernels compiled at once before it runs: a process's first step, in seconds
   empty(*shape, device)            a buffer for a JIT to write, the caller's to keep
   tensor(array) / read(t)          a small array onto the device and a JIT's small output back, by the device's own copies
@@ -437,7 +437,7 @@ def read(t:Tensor) -> np.ndarray:
 # bound at each call of a chunk's JIT: kernel arguments, not constants, so that every chunk (and every group and block of Dust's draws)
 # runs the same compiled kernels. As constants they made each (group, block) compile its own: 224 s of compiling for a tiny model's
 # first pop-64 Dust step on 2 CPU cores. Uploading a chunk's start instead cost ~2 ms of host time a chunk (NULL device).
-FIRST, COUNT, START = Variable("first", 0, 1), Variable("count", 1, 1 << 24), Variable("start", 0, 1 << 24)
+FIRST, START = Variable("first", 0, 1), Variable("start", 0, 1 << 24)
 
 def index(start:UOp, n:int) -> Tensor: return Tensor(start) + Tensor.arange(n)  # the items start .. start + n - 1
 
@@ -455,29 +455,26 @@ def stack(fn:Callable, owner, /, *inputs, items:range, per_call:int, shape:tuple
   for start in range(0, len(items), per_call): f(START.bind(start), *inputs, out)
   return out
 
-def summed(owner, start:UOp, first:UOp, count:UOp, *args, fn:Callable, per_call:int, **static) -> None:
+def adding(owner, start:UOp, first:UOp, *args, fn:Callable, per_call:int, **static) -> None:
   *inputs, sums = args
   keep = Tensor(first).cast(dtypes.bool).logical_not()  # where(): the last call's sums are never multiplied, so nothing of them stays
-  share = 1.0 / Tensor(count).float()
-  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d * share) for s, d in zip(sums, fn(owner, index(start, per_call), *inputs, **static))])
+  Tensor.realize(*[s.assign(keep.where(s, 0.0) + d) for s, d in zip(sums, fn(owner, index(start, per_call), *inputs, **static))])
 
 _sums:dict[tuple, list[Tensor]] = {}
 
-def mean(fn:Callable, owner, /, *inputs, chunks:range, per_call:int, count:int, shapes:list[tuple[int, ...]], **static) -> list[Tensor]:
-  """(1/count) Σ over the chunks of fn(owner, index, *inputs, **static), a list of sums of the given shapes over the chunks `index`
-  (per_call chunk numbers, an int tensor): one JIT for every call, its first chunk, whether it is the first call and the count bound
-  Variables, adding into buffers that the next call with the same function and the same bound Variables among the inputs (Dust's
-  group and block) writes again: copy what must outlive it. New buffers at every call cost a step's worth of sums more memory, as
-  each JIT's graph holds its last call's inputs until its next call (the small preset's Dust pop 1024: a peak of 1254.7 MiB against
-  1006.5, NULL device with the CUDA renderer). The means are those buffers, not a lazy division of them: a JIT that read ~45 divisions
-  would realize them first, 40 ms of a small-preset Dust update's 200 ms of host time (NULL device)."""
-  device = next(t.device for t in inputs if isinstance(t, Tensor))
-  where = tuple(v.unbind() for v in inputs if isinstance(v, UOp))
+def summed(fn:Callable, owner, /, *inputs, chunks:range, per_call:int, shapes:list[tuple[int, ...]], **static) -> list[Tensor]:
+  """Σ over the chunks of fn(owner, index, *inputs, **static), a list of sums of the given shapes over the chunks `index` (per_call
+  chunk numbers, an int tensor): one JIT for every call, its first chunk and whether it is the first call bound Variables, adding
+  into buffers that the next call with the same function and the same bound Variables among the inputs writes again: copy what must
+  outlive it. New buffers at every call cost a step's worth of sums more memory, as each JIT's graph holds its last call's inputs
+  until its next call (a peak 25% higher for Dust at pop 1024, docs/performance.md)."""
+  flatten(inputs, leaves := [])
+  device = next(t.device for t in leaves if isinstance(t, Tensor))
+  where = tuple(v.unbind() for v in leaves if isinstance(v, UOp))
   k = (fn, id(owner), device, tuple(map(tuple, shapes)), per_call, tuple(sorted((n, v) for n, v in static.items() if not live(v))), where)
   if (sums := _sums.get(k)) is None: sums = _sums[k] = [empty(*s, device=device) for s in shapes]
-  f = jit(summed, owner, fn=fn, per_call=per_call, **static)
-  for i, start in enumerate(range(chunks.start, chunks.stop, per_call)):
-    f(START.bind(start), FIRST.bind(int(i == 0)), COUNT.bind(count), *inputs, sums)
+  f = jit(adding, owner, fn=fn, per_call=per_call, **static)
+  for i, start in enumerate(range(chunks.start, chunks.stop, per_call)): f(START.bind(start), FIRST.bind(int(i == 0)), *inputs, sums)
   return sums
 
 def per_call(n:int, tokens:int, most:int) -> int:

@@ -24,7 +24,7 @@ The model and the estimators call one function per op. Each runs one of two impl
 Three more choices depend on the backend, not on the kernels:
 - the noise's cos(2πu) (noise.gaussian): the backend's own sine where it has one (CUDA, Metal, AMD); on the CPU, where tinygrad
   renders a software sine whose range reduction was 2/3 of a Gaussian's time, a short polynomial within the angle's quadrant.
-- Dust's chunks a JIT call (dust.mean_of, dust.TOKENS): as many as fill a GPU; one on the CPU, which runs each kernel in the calling thread, where a
+- Dust's chunks a JIT call (devices.CALL_TOKENS): as many as fill a GPU; one on the CPU, which runs each kernel in the calling thread, where a
   batch of chunks cost more compiling, time and memory (tiny model, pop 64, 2 cores: first step 36.6 -> 24.0 s, then 3.6 -> 3.0 s).
 - a sum of exps (loss.exp_sum: the loss, Dust's head): one kernel on a GPU; on the CPU the exps written first, then summed, as
   tinygrad unrolls the fused sum of a row of 32 into a 6,500-line kernel at 51 ns an exp, against 9 ns written out (2 cores).

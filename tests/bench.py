@@ -14,7 +14,7 @@
 A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no
 row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them,
 after one that compiles and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (mezo: 2 per
-direction; es: 1 per member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, dust.forwards;
+direction; es: 1 per member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, recipes.forwards;
 backprop: 3, a forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes
 during the row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward
 is a TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and batch
@@ -30,7 +30,7 @@ from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from registry import ESTIMATORS
-import dust, engine, estimators, optim, zo
+import dust, engine, estimators, optim, recipes, zo
 
 PEAK = [0]
 _allocate = Buffer.allocate
@@ -99,26 +99,26 @@ def noise_row(model, n:int) -> dict:
           "replay": WINDOW * DIRECTIONS * D / timed(lambda: replay.step(g), n)}
 
 class ByKind:
-  """Seconds of each kind of Dust chunk group in a step: dust.mean_of timed between device syncs (one device only). The step is
+  """Seconds of each kind of Dust chunk group in a step: dust.sum_draws timed between device syncs (one device only). The step is
   an extra one, after the timed ones: at each sync the device idles while the host queues the next group. What the kinds leave out
   is the capture, the reassembly and the update."""
   def __init__(self): self.times, self.step = {}, 0.0  # seconds per kind; of the whole step
   def __call__(self, chunk, *args, **static):
     sync()
     st = time.perf_counter()
-    out = self.mean_of(chunk, *args, **static)
+    out = self.sum_draws(chunk, *args, **static)
     sync()
     kind = chunk.__name__.removesuffix("_chunk") + (f":{static['kind']}" if "kind" in static else "")
     self.times[kind] = self.times.get(kind, 0.0) + time.perf_counter() - st
     return out
   def __enter__(self):
-    self.mean_of, dust.mean_of = dust.mean_of, self
+    self.sum_draws, dust.sum_draws = dust.sum_draws, self
     return self
-  def __exit__(self, *exc): dust.mean_of = self.mean_of
+  def __exit__(self, *exc): dust.sum_draws = self.sum_draws
 
 def forwards(model, method:str, pop:int) -> float:
   """The forwards a step's arithmetic needs (the module's docstring)."""
-  if method == "dust": return dust.forwards(dust.recipe(pop, "1M", "sgd", model.n_pblocks))
+  if method == "dust": return recipes.forwards(recipes.recipe(pop, "1M", "sgd", model.n_pblocks))
   return {"mezo": 2 * pop, "es": pop, "backprop": 3, "hizoo": 2 * pop + 1, "lozo": 2 * pop, "conmezo": 2 * pop, "zomuon": pop + 1}[method]
 
 def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:

@@ -1,6 +1,6 @@
 """Tests of dust.py: the recipe tables and their rules, no autograd in the estimator, rerun-from-block = full rerun, the cosine to
 the autograd gradient rising with the population per layer type, and per-token node perturbation beating weight-space ES."""
-import copy, math
+import copy, math, pathlib, re
 from dataclasses import replace
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from kernels import flash
 from kernels.loss import cross_entropy
 from kernels.noise import gaussian, key, runs
 from model import GPT, GPTConfig, Looped, LoopedConfig
-import dust, engine, estimators
+import devices, dust, engine, estimators, optim, recipes
 
 B, T = 4, 16
 TYPES = {"c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj", "attn.c_proj": "attn.c_proj", "q": "attn.c_q", "k": "attn.c_k", "v": "attn.c_v",
@@ -40,20 +40,20 @@ def cosine(a:np.ndarray, b:np.ndarray) -> float: return float(a @ b / (np.linalg
 def test_recipe_table_256_1024():
   """§3.11's table, exactly, on the 8-block model."""
   r = dust.recipe(256)
-  assert (r.nrep, r.embedding, r.head, r.gamma) == (2, 10, 1024, 0.98)
+  assert (r.per_chunk, r.embedding, r.head, r.gamma) == (2, 10, 1024, 0.98)
   assert r.writers == r.hidden == (38, 32, 16, 10, 6, 4, 2, 2) and r.hubs == (6, 6, 4, 2, 2, 2, 2, 2)
   assert r.local == {"q": (2,) * 8, "v": (20,) * 8, "gate": (0, 6) * 4, "k": (12,) * 8, "ve": (0, 8) * 4}
   r = dust.recipe(1024)
-  assert (r.nrep, r.embedding, r.head, r.gamma) == (8, 40, 4096, 0.98)
+  assert (r.per_chunk, r.embedding, r.head, r.gamma) == (8, 40, 4096, 0.98)
   assert r.writers == r.hidden == (152, 128, 64, 40, 24, 16, 8, 8) and r.hubs == (24, 24, 16, 8, 8, 8, 8, 8)
   assert r.local == {"q": (8,) * 8, "v": (80,) * 8, "gate": (0, 24) * 4, "k": (48,) * 8, "ve": (0, 32) * 4}
-  assert r.sigma == {"writers": 0.2, "hidden": 0.2, "embedding": 0.2, "head": 0.05, "local": 0.05, "scalars": 0.03,
+  assert r.sigma == {"attn.c_proj": 0.2, "mlp.c_proj": 0.2, "mlp.c_fc": 0.2, "embedding": 0.2, "head": 0.05, "local": 0.05, "scalars": 0.03,
                      "hubs": (0.2,) * 4 + (0.4,) * 4} and r.scalar_draws == 8
 
 def test_recipe_override_and_optimizers():
   r = dust.recipe(16384, "10M")
   assert r.writers == (2176, 1792, 896, 512, 384, 256, 128, 128) and r.hubs == (768, 640, 512, 256, 256, 256, 256, 256)
-  assert (r.nrep, r.gamma, r.embedding, r.head, r.lr, r.momentum) == (16, 0.99, 640, 65536, 0.25, 0.95)
+  assert (r.per_chunk, r.gamma, r.embedding, r.head, r.lr, r.momentum) == (16, 0.99, 640, 65536, 0.25, 0.95)
   assert dust.recipe(16384, "1M").gamma == 0.98
   r = dust.recipe(256)  # SGD groups (§4.1)
   assert (r.lr, r.momentum) == (0.25, 0.95)
@@ -64,15 +64,15 @@ def test_noise_recipe():
   """The Noise record's AdamW recipe (§3.14): per 256 of population writers 4, hidden 8, hubs 8 a block, embedding 32, head 3P, per
   block q 2, v 20, gate 6, k 12, ve 72; sigmas doubled; block 0 by a reward-to-go; lr 0.0015 flat for 70% of the steps."""
   r = dust.recipe(1024, optimizer="adamw")
-  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head) == (8, (16,) * 8, (32,) * 8, (32,) * 8, 128, 3072)
+  assert (r.per_chunk, r.writers, r.hidden, r.hubs, r.embedding, r.head) == (8, (16,) * 8, (32,) * 8, (32,) * 8, 128, 3072)
   assert r.local == {"q": (8,) * 8, "v": (80,) * 8, "gate": (0, 24) * 4, "k": (48,) * 8, "ve": (0, 288) * 4}
-  assert r.sigma == {"writers": 0.4, "hidden": 0.4, "embedding": 0.8, "head": 0.1, "local": 0.1, "scalars": 0.06,
+  assert r.sigma == {"attn.c_proj": 0.4, "mlp.c_proj": 0.4, "mlp.c_fc": 0.4, "embedding": 0.8, "head": 0.1, "local": 0.1, "scalars": 0.06,
                      "hubs": (0.4,) * 4 + (0.8,) * 4}
   assert (r.gamma0, r.gamma, r.lr, r.momentum, r.warmdown) == (0.3, 0.98, 0.0015, 0.7, 0.3)
   assert [r.lr_for(n) for n in ("transformer.wte.weight", "value_embeds.1.weight", "resid_lambdas", "lm_head.weight")] == \
     pytest.approx([0.45, 0.45, 0.045, 0.0015])
   r = dust.recipe(16384, "10M", "adamw")  # no tuned override under AdamW: neither its counts nor its credit decay 0.99
-  assert (r.nrep, r.writers, r.hidden, r.hubs, r.embedding, r.head, r.gamma) == (16, (256,) * 8, (512,) * 8, (512,) * 8, 2048, 49152, 0.98)
+  assert (r.per_chunk, r.writers, r.hidden, r.hubs, r.embedding, r.head, r.gamma) == (16, (256,) * 8, (512,) * 8, (512,) * 8, 2048, 49152, 0.98)
   assert r.local == {"q": (128,) * 8, "v": (1280,) * 8, "gate": (0, 384) * 4, "k": (768,) * 8, "ve": (0, 4608) * 4}
   r = dust.recipe(24576, optimizer="adamw")  # the record's scale, "24k": §3.14's table
   assert (sum(r.writers), sum(r.hidden), sum(r.hubs), r.embedding, r.head) == (3072, 6144, 6144, 3072, 73728)
@@ -127,14 +127,14 @@ def test_reward_to_go():
 @pytest.mark.parametrize("n_layer", [2, 3, 4, 8, 12])
 def test_recipe_sums_and_divisibility(n_layer:int):
   """P counts the direct draws (3/4 of P under AdamW), at every depth after resampling; every count splits into chunks (§3.9)."""
-  for pop in dust.POPULATIONS:
+  for pop in recipes.POPULATIONS:
     for budget in ("1M", "10M"):
       for opt, total in (("sgd", pop), ("adamw", pop * 3 // 4))[:1 if pop == 64 else 2]:
         r = dust.recipe(pop, budget, opt, n_layer)
         assert sum(r.writers) + sum(r.hidden) + sum(r.hubs) + r.embedding == total, (pop, budget, opt)
         assert len(r.writers) == len(r.hubs) == n_layer and all(len(v) == n_layer for v in r.local.values())
         counts = [*r.writers, *r.hidden, *r.hubs, r.embedding, *(c for v in r.local.values() for c in v)]
-        assert all(c % r.nrep == 0 for c in counts) and r.head % (16 * r.nrep) == 0
+        assert all(c % r.per_chunk == 0 for c in counts) and r.head % (16 * r.per_chunk) == 0
 
 def test_recipe_resampling_rule():
   """Fewer blocks: contiguous groups of the 8-block tilt, summed. More: a split that keeps the tilt's order."""
@@ -197,7 +197,7 @@ def test_chunks_per_call_leave_the_estimate(setup, monkeypatch):
   # G chunks a call, as on a GPU (the CPU runs one): a call that gave two chunks one key, lost one, or summed one twice changes it
   model, x, y, _ = setup
   one = estimate(setup, 64, 1)
-  monkeypatch.setattr(dust, "batches_chunks", lambda device: True)
+  monkeypatch.setattr(devices, "batches_chunks", lambda device: True)
   batched = estimators.estimate(model, x, y, "dust", 64, 1)
   for n, g in batched.items(): np.testing.assert_allclose(g.numpy(), one[n], rtol=1e-4, atol=1e-6 * np.abs(one[n]).max(), err_msg=n)
 
@@ -265,8 +265,9 @@ def test_head_slabs():
   p = np.exp(c - c.max(-1, keepdims=True))
   true = (p / p.sum(-1, keepdims=True) - np.eye(V)[y]) * (1 - np.tanh(z / cap) ** 2)
   model = type("Capped", (), {"cfg": GPTConfig(vocab=V, softcap=cap)})
-  keys = dust.Draws(key(3), 0, 0, range(256))
-  est = dust.head_error(model, {"lm_head": Tensor(z.astype(np.float32))}, Tensor(y.astype(np.int32)), 0.05, keys, nrep).numpy()
+  rc = replace(dust.recipe(1024), head=256 * nrep, per_chunk=nrep)  # 256 chunks of 8 draws, 64 cycles over the 4 slabs, σ 0.05
+  work = [dust.Worker(model, None, Tensor(y.astype(np.int32)), key(3), {"lm_head": Tensor(z.astype(np.float32))})]
+  est = dust.head_errors(work, rc, "slabs").numpy()
   for j in range(V // 256):
     assert cosine(est[..., 256 * j:256 * (j + 1)].ravel(), true[..., 256 * j:256 * (j + 1)].ravel()) > 0.6, f"slab {j}"
   assert 0.6 < (est * true).sum() / (true * true).sum() < 0.9
@@ -328,15 +329,16 @@ def test_fused_attention_draws():
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, cfg.vocab, (2, cfg.seq_len)).astype(np.int32)).realize() for _ in range(2)]
   _, rec = model.capture(x, y)
-  target, keys = Tensor(rng.normal(size=(2, cfg.seq_len, cfg.n_embd)).astype(np.float32) * 1e-3).realize(), dust.Draws(key(0), 0, 0, range(1))
+  target = Tensor(rng.normal(size=(2, cfg.seq_len, cfg.n_embd)).astype(np.float32) * 1e-3).realize()
+  rc = replace(dust.recipe(1024), per_chunk=2)
   for i in range(cfg.n_layer):  # block 1 has value embeddings: all five kinds
     out = {}
     for fused, m in ((True, model), (False, tensor_ops)):
       with Context(CUDA_KERNELS=int(fused)):
-        att = dust.CleanAttention.capture(m, rec, i)
-        assert ("u16" in att.t) == fused  # the kernels' half copies (kernels/attention.prepare)
-        for kind in dust.local_kinds(m, i): out[fused, kind] = dust.local_error(att, kind, target, 0.05, 0.98, keys, 2).numpy()
-        att.jit.release()
+        w = dust.Worker(m, x, y, key(0), rec, attn=dust.CleanAttention.capture(m, rec, i), targets={i: target})
+        assert ("u16" in w.attn.t) == fused  # the kernels' half copies (kernels/attention.prepare)
+        for kind in dust.local_kinds(m, i): out[fused, kind] = dust.local_errors([w], rc, kind, i, 2).numpy()
+        w.attn.jit.release()
     for kind in dust.local_kinds(model, i):
       np.testing.assert_allclose(out[True, kind], out[False, kind], atol=4 * 2**-11 * np.abs(out[False, kind]).max(), rtol=0, err_msg=kind)
 
@@ -349,18 +351,20 @@ def test_local_draws_hold_one_score_matrix():
   B, T, nrep = 4, 64, 8
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, model.cfg.vocab, (B, T)).astype(np.int32)).realize() for _ in range(2)]
-  att = dust.CleanAttention.capture(model, model.capture(x, y)[1], 1)
-  target, keys = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), dust.Draws(key(1), 5, 0, range(3))
-  dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()  # compiles and captures the chunk's JIT
+  rec = model.capture(x, y)[1]
+  target = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize()
+  work, rc = [dust.Worker(model, x, y, key(1), rec, attn=dust.CleanAttention.capture(model, rec, 1), targets={1: target})], \
+    replace(dust.recipe(1024), per_chunk=nrep)
+  dust.local_errors(work, rc, "k", 1, 3 * nrep).realize()  # compiles and captures the chunk's JIT
   base = PEAK[0] = GlobalCounters.mem_used
-  dust.local_error(att, "k", target, 0.05, 0.98, keys, nrep).realize()
+  dust.local_errors(work, rc, "k", 1, 3 * nrep).realize()
   scores = nrep * B * model.cfg.n_head * T * T * 4
   assert PEAK[0] - base < scores, (PEAK[0] - base, scores)
 
 # ***** per-token node perturbation vs weight-space ES on one linear layer *****
 
 class Linear:
-  """y_t = W x_t with the per-token loss |y_t - target_t|^2 / 2: a one-site model with the interface dust.direct drives."""
+  """y_t = W x_t with the per-token loss |y_t - target_t|^2 / 2: a one-site model with the interface dust.direct_errors drives."""
   def __init__(self, W:Tensor): self.params = {"w.weight": W}
   def rerun_stream(self, rec:dict, sites) -> dict: return {}  # nothing upstream of the one site to resume from
   def losses(self, x:Tensor, target:Tensor, jitter:dict|None=None, cache:dict|None=None, params:dict|None=None) -> Tensor:
@@ -375,8 +379,8 @@ def test_node_perturbation_beats_weight_space_es():
   true = np.einsum("bto,bti->oi", x @ W.T - target, x) / (B * T)
   model, xt, tt = Linear(Tensor(W.astype(np.float32))), Tensor(x.astype(np.float32)), Tensor(target.astype(np.float32))
   rec = {"w": xt @ model.params["w.weight"].T, "w:in": xt}
-  keys = dust.Draws(key(7), 0, 0, range(draws // nrep))
-  err = dust.direct(model, xt, tt, rec, ("w",), sigma, keys, nrep)["w"]
+  rc = replace(dust.recipe(1024), per_chunk=nrep)
+  err = dust.direct_errors([dust.Worker(model, xt, tt, key(7), rec)], rc, "embedding", None, {"w": sigma}, draws, "block")["w", None]
   G = dust.weight_grad(err, xt, W.shape).numpy()
   node = cosine(G.ravel(), true.ravel())
   assert abs((G * true).sum() / (true * true).sum() - (nrep - 1) / nrep) < 0.1  # unbiased up to the centring's (n-1)/n
@@ -391,12 +395,12 @@ def test_node_perturbation_beats_weight_space_es():
 
 def test_recipe_one_block():
   """The looped model has one parameter block: every population's recipe resamples to n_layer=1 and keeps its totals and chunks."""
-  for pop in dust.POPULATIONS:
+  for pop in recipes.POPULATIONS:
     for budget in ("1M", "10M"):
       for opt in ("sgd", "adamw")[:1 if pop == 64 else 2]:
         r, r8 = dust.recipe(pop, budget, opt, n_layer=1), dust.recipe(pop, budget, opt)
         assert (r.writers, r.hidden, r.hubs, r.embedding, r.head) == ((sum(r8.writers),), (sum(r8.hidden),), (sum(r8.hubs),), r8.embedding, r8.head)
-        assert all(len(v) == 1 and v[0] % r.nrep == 0 for v in r.local.values()) and r.sigma["hubs"] == (r8.sigma["hubs"][0],)
+        assert all(len(v) == 1 and v[0] % r.per_chunk == 0 for v in r.local.values()) and r.sigma["hubs"] == (r8.sigma["hubs"][0],)
 
 @pytest.fixture(scope="module")
 def looped():
@@ -423,16 +427,15 @@ def test_depths_share_their_attention_jits(which:str, looped):
   model, x, y, _ = looped
   if which == "gpt": model = GPT(GPTConfig.preset("tiny", seq_len=T, n_layer=6), seed=0)
   _, rec = model.capture(x, y)
-  rng, seen = np.random.default_rng(2), set()
+  rng, seen, rc = np.random.default_rng(2), set(), replace(dust.recipe(1024), per_chunk=2)
   for i in range(model.n_blocks):
     target, out = Tensor(rng.normal(size=(B, T, model.cfg.n_embd)).astype(np.float32)).realize(), []
     like = (model.window(i), tuple(dust.local_kinds(model, i)))
     for m in (model, copy.copy(model)):
       jits = len(engine._jits)
-      att = dust.CleanAttention.capture(m, rec, i)
-      draws = dust.Draws(key(4), dust.GROUPS.index("k"), i, range(2))
-      out.append({kind: dust.local_error(att, kind, target, 0.05, 0.98, draws, 2).numpy() for kind in dust.local_kinds(m, i)})
-      att.jit.release()
+      w = dust.Worker(m, x, y, key(4), rec, attn=dust.CleanAttention.capture(m, rec, i), targets={i: target})
+      out.append({kind: dust.local_errors([w], rc, kind, i, 4).numpy() for kind in dust.local_kinds(m, i)})
+      w.attn.jit.release()
       if m is model: assert like not in seen or len(engine._jits) == jits, f"depth {i} captured again"
     seen.add(like)
     for kind in out[1]: np.testing.assert_array_equal(out[0][kind], out[1][kind], err_msg=f"depth {i}, {kind}")
@@ -453,3 +456,37 @@ def test_looped_cosine_rises_with_population(looped):
   assert c[64]["all"] > 0 and c[64]["block"] > 0, c
   assert all(c[1024][t] > c[64][t] for t in groups), c
   assert all(c[1024][t] > c[64][t] + 0.1 for t in groups if t not in ("all", "lm_head")), c  # the head is already good at 64
+
+# ***** docs/dust.md §3.16, "Change Dust": each worked change takes effect, and a few SGD steps with it lower the loss *****
+
+def changes() -> list[str]:
+  text = (pathlib.Path(__file__).resolve().parent.parent / "docs/dust.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text[text.index("### 3.16 Change Dust"):text.index("## 4. Optimisers")], re.S)
+
+@pytest.mark.parametrize("change", range(3))
+def test_change_dust(setup, change:int):
+  model, x, y, _ = setup
+  assert len(changes()) == 3
+  rc = dust.recipe(64, n_layer=model.n_pblocks)  # the recipe that `estimate` runs
+  scope = {"rc": rc, "replace": replace}
+  exec(changes()[change], scope)
+  changed = scope["changed"]
+  base = estimate(setup, 64, 1)
+  new = {n: g.numpy() for n, g in estimators.estimate(model, x, y, "dust", 64, 1, rc=changed).items()}
+  moved = {n for n in base if not np.array_equal(base[n], new[n])}
+  blocks = range(model.n_pblocks)
+  writers = {f"transformer.h.{l}.{m}.c_proj.weight" for l in blocks for m in ("attn", "mlp")}
+  if change == 0: assert moved == writers, moved
+  if change == 1:
+    assert sum(changed.writers) + sum(changed.hubs) == sum(rc.writers) + sum(rc.hubs) and changed.hubs != rc.hubs
+    assert writers <= moved and any(".attn.c_v" in n for n in moved), moved
+    assert not any(k in n for n in moved for k in ("c_fc", "wte", "lm_head", "lambdas")), moved
+  if change == 2: assert moved and all(n.startswith("transformer.h.0.") for n in moved), moved
+  fresh = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0)
+  opt = optim.Optimizer(fresh.params, {n: changed.lr_for(n) for n in fresh.params}, "sgd", changed.momentum, 0)
+  losses = []
+  for step in range(5):
+    g, loss = estimators.run(fresh, x, y, "dust", 64, step, rc=changed)
+    losses.append(float(loss.item()))
+    opt.step(g)
+  assert losses[-1] < losses[0], losses

@@ -1,5 +1,5 @@
 """Tests of engine.py, the one module that uses tinygrad's internals: that no other file does, and that its workarounds hold. JITs
-share one arena, replays take whole buffers, `jit` takes containers and repeated inputs, and `stack` and `mean` give what one call
+share one arena, replays take whole buffers, `jit` takes containers and repeated inputs, and `stack` and `summed` give what one call
 would, whatever the chunks a call."""
 import ast, json, os, pathlib, subprocess, sys
 import numpy as np
@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # ***** the layers *****
 
 # the algorithm layer: tinygrad's public API only (its top-level names and tinygrad.nn)
-ALGORITHM = ("model.py", "registry.py", "estimators.py", "dust.py", "optim.py", "zo.py", "devices.py", "data.py", "plot.py")
+ALGORITHM = ("model.py", "registry.py", "estimators.py", "dust.py", "recipes.py", "optim.py", "zo.py", "devices.py", "data.py", "plot.py")
 PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "Variable", "GlobalCounters"}
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
@@ -184,19 +184,19 @@ def test_jit_takes_containers_repeats_and_views():
       out = engine.jit(_combined, w=w)({"a": ta, "b": both[1]}, [ta, both[0]]).numpy()  # a twice; b and a as views of one buffer
       np.testing.assert_allclose(out, a * w + b - a * a, rtol=1e-6)
 
-# ***** stack and mean: one JIT over chunks *****
+# ***** stack and summed: one JIT over chunks *****
 
 def _rows(owner, k:Tensor, x:Tensor) -> Tensor: return Tensor.stack(x.sum() * k.float(), k.float() ** 2, dim=1)
 def _sums(owner, c:Tensor, x:Tensor, scale:float) -> list[Tensor]:
   return [(x.unsqueeze(0) * c.float().unsqueeze(1)).sum(0) * scale, (c.float() ** 2).sum().reshape(1)]
 
 @pytest.mark.parametrize("per_call", [1, 2, 6])
-def test_stack_and_mean_whatever_the_chunks(per_call:int):
-  # a chunk's rows written in another chunk's place, a chunk lost or counted twice, or a mean not reset by the first call changes these
+def test_stack_and_summed_whatever_the_chunks(per_call:int):
+  # a chunk's rows written in another chunk's place, a chunk lost or counted twice, or a sum not reset by the first call changes these
   x = Tensor(np.arange(3, dtype=np.float32)).realize()
   rows = engine.stack(_rows, None, x, items=range(2, 8), per_call=per_call, shape=(2,)).numpy()
   np.testing.assert_array_equal(rows, np.stack([3.0 * np.arange(2, 8), np.arange(2, 8) ** 2], axis=1))
   for _ in range(2):  # the second call's sums start from zero again
-    m, sq = engine.mean(_sums, None, x, chunks=range(1, 7), per_call=per_call, count=6, shapes=[(3,), (1,)], scale=2.0)
-    np.testing.assert_allclose(m.numpy(), 2.0 * np.arange(3) * np.arange(1, 7).sum() / 6, rtol=1e-6)
-    np.testing.assert_allclose(sq.numpy(), [(np.arange(1, 7) ** 2).sum() / 6], rtol=1e-6)
+    m, sq = engine.summed(_sums, None, x, chunks=range(1, 7), per_call=per_call, shapes=[(3,), (1,)], scale=2.0)
+    np.testing.assert_allclose(m.numpy(), 2.0 * np.arange(3) * np.arange(1, 7).sum(), rtol=1e-6)
+    np.testing.assert_allclose(sq.numpy(), [(np.arange(1, 7) ** 2).sum()], rtol=1e-6)
