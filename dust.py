@@ -38,8 +38,7 @@ from recipes import KINDS, Recipe, budget, recipe
 from registry import POSITIVE, Defaults, Option, Run, estimator
 import engine
 
-# each group's index is its draws' address in the key tree: chunk c of a group at block l is keyed fold(key, group, l,
-# c)
+# a group's index is its draws' address in the key tree: chunk c of a group at block l is keyed fold(key, group, l, c)
 GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
 SCALARS = ("resid_lambdas", "x0_lambdas")
 
@@ -178,8 +177,8 @@ def direct_chunk(model, keys:Tensor, x:Tensor, y:Tensor, stream:dict[str, Tensor
   jitter = {site: (k, s, noise) for site, k, s in zip(sites, ks, sigma)}
   loss = model.losses(tile(x, G * per_chunk), tile(y, G * per_chunk), jitter,
                       stream if rerun == "block" else None).reshape(G, per_chunk, B, T)
-  # r_t = ℓ⁰_t − ℓ_t centred over the chunk's draws: ℓ⁰ cancels, r̃ = mean ℓ − ℓ (a draw in its own baseline: (n−1)/n of
-  # g)
+  # r_t = ℓ⁰_t − ℓ_t centred over the chunk's draws: ℓ⁰ cancels, r̃ = mean ℓ − ℓ (each draw in its own baseline,
+  # which scales ĝ by (n−1)/n)
   reward = loss.mean(1, keepdim=True) - loss
   if gamma: reward = reward_to_go(reward, gamma)  # block 0 under AdamW (§3.12)
   def a(j:int, d:int|None, w:int) -> Tensor:  # the noise the model added at site j, depth d

@@ -101,7 +101,7 @@ def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:f
            beta=Option("β, the momentum's decay: m ← βm + (1 − β)g", check=(lambda v: 0 <= v < 1, "in [0, 1)")))
 def conmezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, state:dict[str, Tensor], eps:float=1e-3, angle:float=1.4,
             beta:float=0.9) -> tuple[dict[str, Tensor], Tensor]:
-  """ConMeZO, cone-restricted MeZO (Lojasiewicz et al., "ConMeZO: adaptive descent-direction sampling for gradient-free finetuning of
+  """ConMeZO, cone-restricted MeZO (Behric et al., "ConMeZO: adaptive descent-direction sampling for gradient-free finetuning of
   large language models", 2025): SPSA along directions drawn in a cone of half-angle θ around the momentum m, over all D parameters:
     z_k = cos θ √D m/|m| + sin θ u_k,   g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k,   m ← βm + (1 − β)g
   u_k the Gaussian of fold(key, k) (MeZO's z_k); |z_k|² ≈ D as MeZO's, and cos(z_k, m) ≈ cos θ. While m = 0 (the first step) z_k = u_k.
