@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Pictures of zo's runs and benchmarks, as PNG files.
 
-  python plot.py runs/dust runs/backprop --out docs/loss.png      val loss against tokens and against seconds, a curve per run
-                                                                  (each run's metrics.jsonl; its label is the folder's name)
+  python plot.py runs/dust runs/backprop --out docs/loss.png      val loss against tokens and against seconds, a curve
+                                                                  per run (each run's metrics.jsonl; its label is the
+                                                                  folder's name)
   python plot.py docs/race/*/ --reach docs/race/dust-adamw --out docs/race/race.png
-                                                                  the same, and a table: each run's final val loss, seconds,
-                                                                  and the seconds it took to reach the --reach run's final loss
+                                                                  the same, and a table: each run's final val loss,
+                                                                  seconds, and the seconds it took to reach the --reach
+                                                                  run's final loss
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
-                                                                  a Dust update's seconds against the population, zo beside the
-                                                                  PyTorch reference (bench.json from `tests/bench.py --json`)
+                                                                  a Dust update's seconds against the population, zo
+                                                                  beside the PyTorch reference (bench.json from
+                                                                  `tests/bench.py --json`)
 """
 import argparse, json, os
 import matplotlib
@@ -23,7 +26,8 @@ def loss_curves(runs:list[str], out:str, highlight:str|None=None):
   fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   for i, run in enumerate(runs):
     m, label = metrics(run), os.path.basename(os.path.normpath(run))
-    shown = (dict(color="black", linewidth=2, zorder=3) if highlight and os.path.abspath(run) == os.path.abspath(highlight) else
+    shown = (dict(color="black", linewidth=2, zorder=3)
+             if highlight and os.path.abspath(run) == os.path.abspath(highlight) else
              dict(color=plt.cm.tab20(i % 20)))  # the default cycle repeats after 10
     by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
     by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
@@ -35,13 +39,15 @@ def loss_curves(runs:list[str], out:str, highlight:str|None=None):
   fig.savefig(out, dpi=120)
 
 def reach_table(runs:list[str], target_run:str) -> str:
-  """A markdown table: each run's final val loss and seconds, and the seconds and tokens of its first evaluation at or below the
-  target run's final val loss (evaluations come every --eval-every steps, so the run got there at most that many steps sooner)."""
+  """A markdown table: each run's final val loss and seconds, and the seconds and tokens of its first evaluation at or
+  below the target run's final val loss (evaluations come every --eval-every steps, so the run got there at most that
+  many steps sooner)."""
   target = metrics(target_run)[-1]["val_loss"]
   rows = [f"| run | final val loss | seconds | reaches {target:.3f} after: seconds | tokens |", "|---|---|---|---|---|"]
   for run, m in sorted(((run, metrics(run)) for run in runs), key=lambda rm: rm[1][-1]["val_loss"]):
     hit = next((f"{r['seconds']:,.1f} | {r['tokens']:,}" for r in m if r["val_loss"] <= target), "never | never")
-    rows.append(f"| {os.path.basename(os.path.normpath(run))} | {m[-1]['val_loss']:.3f} | {m[-1]['seconds']:,.1f} | {hit} |")
+    rows.append(f"| {os.path.basename(os.path.normpath(run))} | {m[-1]['val_loss']:.3f} | "
+                f"{m[-1]['seconds']:,.1f} | {hit} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):
@@ -65,7 +71,8 @@ if __name__ == "__main__":
   p.add_argument("runs", nargs="*", help="run folders, each with a metrics.jsonl")
   p.add_argument("--bench", help="tests/bench.py --json output")
   p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
-  p.add_argument("--reach", help="a run folder: also print a table of each run's seconds and tokens to reach the final val loss of this run")
+  p.add_argument("--reach", help="a run folder: also print a table of each run's seconds and tokens "
+                 "to reach the final val loss of this run")
   p.add_argument("--out", required=True, help="the PNG to write")
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)

@@ -1,23 +1,26 @@
-"""The estimator contract: everything the command line, the training loop and the optimizer know of an estimator is what it
-declares here, where it is defined.
+"""The estimator contract: everything the command line, the training loop and the optimizer know of an estimator is what
+it declares here, where it is defined.
 
   @estimator("mezo", eps=Option("the perturbation scale ε", check=POSITIVE))
   def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3) -> tuple[Compact, Tensor]: ...
 
-An estimator is a function (model, x, y, pop, key, ...) -> (estimate, mean loss). Each keyword argument it declares as an Option
-becomes a flag (--eps) with the signature's default, the Option's help, choices and check; a flag the method doesn't take is refused.
-Besides its options, it may name any of the run's values, which the loop passes by name:
+An estimator is a function (model, x, y, pop, key, ...) -> (estimate, mean loss). Each keyword argument it declares as
+an Option becomes a flag (--eps) with the signature's default, the Option's help, choices and check; a flag the method
+doesn't take is refused. Besides its options, it may name any of the run's values, which the loop passes by name:
 
-  step       this step's number, a float32 scalar tensor: a schedule computed from it runs in the kernels, so a new step compiles nothing
+  step       this step's number, a float32 scalar tensor: a schedule computed from it runs in the kernels, so a new step
+             compiles nothing
   steps      the run's number of steps (an int)
   tokens     the run's training tokens (an int)
   optimizer  "sgd" or "adamw"
   devices    how many devices to split the population over (a method that doesn't name it runs on one)
-  state      a dict[str, Tensor] the loop keeps for the run, empty at the first step, which the estimator fills and updates in place
-             (a momentum, a curvature estimate): the checkpoint saves each entry and --resume restores it
+  state      a dict[str, Tensor] the loop keeps for the run, empty at the first step, which the estimator fills and
+             updates in place (a momentum, a curvature estimate): the checkpoint saves each entry and --resume
+             restores it
 
-It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer, or a function
-of the Run that gives one), and `check(run)`, which raises ValueError for a run it can't do, before anything is written.
+It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer,
+or a function of the Run that gives one), and `check(run)`, which raises ValueError for a run it can't do, before
+anything is written.
 """
 from __future__ import annotations
 import inspect, math
@@ -44,10 +47,11 @@ class Defaults:
   groups:dict[str, float] = field(default_factory=dict)  # parameter-name prefix -> its lr as a multiple of the base lr
   warmdown:float = 0.0    # the fraction of the steps at the end over which the lr falls linearly to 0
 
-  def lr_of(self, name:str, base:float) -> float: return base * next((m for p, m in self.groups.items() if name.startswith(p)), 1.0)
+  def lr_of(self, name:str, base:float) -> float:
+    return base * next((m for p, m in self.groups.items() if name.startswith(p)), 1.0)
 
-# Under AdamW, whose step is about lr in every coordinate, the embeddings (whose rows are read once a token) and the residual-mix
-# scalars (one number a block) take larger steps than the matrices.
+# Under AdamW, whose step is about lr in every coordinate, the embeddings (whose rows are read once a token) and the
+# residual-mix scalars (one number a block) take larger steps than the matrices.
 ADAMW_GROUPS = {"transformer.wte": 300.0, "value_embeds": 300.0, "resid_lambdas": 100.0, "x0_lambdas": 100.0}
 STANDARD = {"sgd": Defaults(lr=2e-3, momentum=0.9), "adamw": Defaults(lr=2e-3, momentum=0.8, groups=ADAMW_GROUPS)}
 
@@ -74,17 +78,21 @@ class Entry:
   @property
   def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
   def default(self, option:str) -> Any: return inspect.signature(self.fn).parameters[option].default
-  def defaults_for(self, run:Run) -> Defaults: return self.defaults(run) if callable(self.defaults) else self.defaults[run.optimizer]
+  def defaults_for(self, run:Run) -> Defaults:
+    return self.defaults(run) if callable(self.defaults) else self.defaults[run.optimizer]
   def run(self, model, pop:int, optimizer:str="sgd", tokens:int=10**6, steps:int=1, devices:int=1, **options) -> Run:
-    """A Run of this method with its default options but those given: for callers other than the command line (tests, benchmarks)."""
-    return Run(model, pop, optimizer, tokens, steps, devices, {o: options.get(o, self.default(o)) for o in self.options})
+    """A Run of this method with its default options but those given: for callers other than the command line (tests,
+    benchmarks)."""
+    return Run(model, pop, optimizer, tokens, steps, devices,
+               {o: options.get(o, self.default(o)) for o in self.options})
 
 ESTIMATORS:dict[str, Entry] = {}
 
-def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults]=STANDARD, check:Callable[[Run], None]|None=None,
+def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults]=STANDARD,
+              check:Callable[[Run], None]|None=None,
               keyed:bool=True, **options:Option) -> Callable[[Callable], Callable]:
-  """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's defaults
-  and a check of the run."""
+  """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's
+  defaults and a check of the run."""
   def register(fn:Callable) -> Callable:
     params = inspect.signature(fn).parameters
     for o in options:
