@@ -594,8 +594,8 @@ def plugins(argv:list[str]|None) -> None:
   for spec in pre.parse_known_args(argv)[0].plugin:
     if spec.endswith(".py"):
       if not os.path.isfile(spec): pre.exit(2, f"zo: error: --plugin {spec}: no such file\n")
-      mod = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(spec))[0], spec)
-      mod.loader.exec_module(importlib.util.module_from_spec(mod))
+      found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(spec))[0], spec)
+      found.loader.exec_module(importlib.util.module_from_spec(found))
     else:
       try: importlib.import_module(spec)
       except ModuleNotFoundError as e: pre.exit(2, f"zo: error: --plugin {spec}: {e}\n")
