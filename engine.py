@@ -82,11 +82,9 @@ class LoweredOnDisk(dict):
   every kernel again (its AST rewritten, optimized and rendered to source): about 0.19 s a kernel on a 2-core CPU, for the 264
   kernels of a Dust step at the small preset, most of a second run's first step. This is tinygrad's in-memory cache of lowered
   programs, keyed as tinygrad keys it (the AST's hash, the renderer, its target and the settings that shape code) and by
-  tinygrad_settings(), that also reads and writes tinygrad's cache db. Measured, a second run's first Dust step: 67.3 -> 20.6 s at
-  the small preset with the H200's kernels on a CPU (NULL device, lowering in the process), and 102.9 -> 62.5 s on the 2-core CPU
-  (tiny preset); a first run's is unchanged. It is off where tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0,
-  IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code may change under one version), and a db that can't be read
-  or written leaves it in memory, as tinygrad's own."""
+  tinygrad_settings(), that also reads and writes tinygrad's cache db (docs/performance.md has what it saves). It is off where
+  tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0, IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code
+  may change under one version), and a db that can't be read or written leaves it in memory, as tinygrad's own."""
   CODE = "cubin, sm_90a"  # CUDA's programs are machine code, Hopper's for sm_90a (nvrtc_for): rows from before are not found
   def get(self, key:tuple, default=None):
     if (prg := dict.get(self, key)) is None:
@@ -132,7 +130,7 @@ atexit.register(graph_cache.clear)
 class Scratch:
   """One arena per device for the memory plans of every JIT. tinygrad plans a JIT's intermediates into an arena of its own: the ~45
   JITs of a Dust update held 4.5 GiB so at the small preset (pop 256, H200), and freeing each arena after its call instead made tinygrad
-  rebuild the JIT's CUDA graph at its next call (0.21 s a step, against 0.15 s holding every arena). JITs run one after another on a
+  rebuild the JIT's CUDA graph at its next call. JITs run one after another on a
   device's queue, so they can share one arena, as the buffers inside one plan do: each planned arena becomes a view into its device's,
   as large as the largest plan. A JIT with a copy keeps its own: a copy to another device may still be reading it when the next JIT
   writes there."""
@@ -238,12 +236,11 @@ def apart(fn:Callable, *a, **kw):
 class Ahead:
   """A dry run of a step, to compile all its kernels in one batch. tinygrad 0.14 lowers and compiles a JIT's new kernels when it
   captures it, in its pool of workers, and runs the capture when they are done: a process's first step is a chain of ~40 batches,
-  each as long as its slowest kernel, which leaves most workers idle (the small preset's cold Dust step: 40 s of compiling on an H100's
-  16 cores, against ~6.5 s for its kernels in one batch, modelled). A capture only traces its function (its kernels run after it),
+  each as long as its slowest kernel, which leaves most workers idle. A capture only traces its function (its kernels run after it),
   so a JIT's capture doesn't need the values of the JITs before it. Here each JIT is traced as its capture would trace it, neither
   compiled nor run, and its new kernels go to the pool at once, which compiles them while the next JIT is traced; then the step
-  runs for real, every kernel already compiled. Measured, the default command's cold first step on an H100: 36.96 -> 15.33 s, the
-  dry run 9.9 s of it (docs/performance.md). A JIT called again in the dry run (another chunk) returns its first trace's outputs,
+  runs for real, every kernel already compiled: the default command's cold first step on an H100 went from 36.96 to 15.33 s
+  (docs/performance.md). A JIT called again in the dry run (another chunk) returns its first trace's outputs,
   and one captured before it returns its last outputs, neither running. What the dry run may not do, and a step doesn't:
   - read a value to decide what to do, or use one as an index: the outputs of the JITs are never written, so the code between them
     runs on garbage (for real, and again in the real run), and the dry run's results are dropped;
@@ -436,7 +433,7 @@ def read(t:Tensor) -> np.ndarray:
 
 # bound at each call of a chunk's JIT: kernel arguments, not constants, so that every chunk (and every group and block of Dust's draws)
 # runs the same compiled kernels. As constants they made each (group, block) compile its own: 224 s of compiling for a tiny model's
-# first pop-64 Dust step on 2 CPU cores. Uploading a chunk's start instead cost ~2 ms of host time a chunk (NULL device).
+# first pop-64 Dust step on 2 CPU cores.
 FIRST, START = Variable("first", 0, 1), Variable("start", 0, 1 << 24)
 
 def index(start:UOp, n:int) -> Tensor: return Tensor(start) + Tensor.arange(n)  # the items start .. start + n - 1
