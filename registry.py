@@ -23,7 +23,7 @@ or a function of the Run that gives one), and `check(run)`, which raises ValueEr
 anything is written.
 """
 from __future__ import annotations
-import inspect, math
+import functools, inspect, math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -75,7 +75,7 @@ class Entry:
   check:Callable[[Run], None]|None
   keyed:bool  # False: fn draws no noise, and gets no key
 
-  @property
+  @functools.cached_property  # read at every step, by the loop
   def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
   def default(self, option:str) -> Any: return inspect.signature(self.fn).parameters[option].default
   def defaults_for(self, run:Run) -> Defaults:

@@ -364,9 +364,8 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
   except (ValueError, KeyError, TypeError): return math.inf
 
 def squares(loss:Tensor, named:dict[str, Tensor]) -> Tensor:
-  # each sum realized on its own: tinygrad fused the small preset's 46 sums into a kernel that took 2.2 s to lower and
-  # compile for the GPU (2 CPU cores) and bounded its batch of a cold first step (H100: 3.3 s); the slowest of the 7
-  # programs now takes 0.28 s
+  # each sum realized on its own: tinygrad fused the small preset's 46 sums into one kernel that was slow to lower and
+  # compile, and bounded a cold first step (docs/performance.md)
   return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum().contiguous() for t in named.values()])
 
 def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
@@ -639,9 +638,8 @@ def check_devices(args:argparse.Namespace):
 
 def device_defaults(args, device:str):
   """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU the tiny
-  model on a synthetic chain of 32 states (a 256-token vocab's head made a Dust pop-1024 step 52-58 s on 2 cores) for
-  20,000 tokens: 39 steps of ~10 s, so that the run takes under 10 minutes on 2 cores (docs/performance.md: "The CPU's
-  step: sums of exps written out")."""
+  model on a synthetic chain of 32 states (a 256-token vocab's head is the step's largest cost there) for 20,000 tokens,
+  so that the run takes minutes (docs/performance.md: "The CPU's step: sums of exps written out")."""
   cpu = device == "CPU"
   args.model = args.model or ("tiny" if cpu else "small")
   if args.tokens is None: args.tokens = 20_000 if cpu else 500_000
