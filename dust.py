@@ -11,7 +11,7 @@ Words:
   chunk         `per_chunk` draws in one forward, the batch repeated once per draw: what keys and centring work on
   direct        draws scored by the network's own loss, rerun from the jittered block (§3.3)
   writers       the projections that write into the residual stream, attention's c_proj and the MLP's c_proj,
-                jittered together, each with its own noise and σ
+                jittered together, each with its own noise and σ (or, with Recipe.mlp_writers, in draws of their own)
   hidden        the MLP's c_fc, the input projection of its hidden layer
   hubs          the attention outputs, jittered for their errors alone: the local draws' targets (§3.4)
   local         draws on the attention's internals (q, k, v, the value-embedding gate and values), scored by
@@ -39,7 +39,7 @@ from registry import POSITIVE, Defaults, Option, Run, estimator
 import engine
 
 # a group's index is its draws' address in the key tree: chunk c of a group at block l is keyed fold(key, group, l, c)
-GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars")
+GROUPS = ("writers", "hidden", "embedding", "hubs", "head", *KINDS, "scalars", "mlp_writers")
 SCALARS = ("resid_lambdas", "x0_lambdas")
 
 @dataclass
@@ -114,8 +114,11 @@ def step(model, x:Tensor, y:Tensor, pop:int, key:Tensor, optimizer:str="sgd", to
   err, s = {}, rc.sigma
   for l in range(model.n_pblocks):
     h = f"transformer.h.{l}"
-    writers = {f"{h}.attn.c_proj": s["attn.c_proj"], f"{h}.mlp.c_proj": s["mlp.c_proj"]}
-    err |= direct_errors(work, rc, "writers", l, writers, rc.writers[l], rerun)
+    attn, mlp = {f"{h}.attn.c_proj": s["attn.c_proj"]}, {f"{h}.mlp.c_proj": s["mlp.c_proj"]}
+    if rc.mlp_writers is None: err |= direct_errors(work, rc, "writers", l, attn | mlp, rc.writers[l], rerun)
+    else:  # the MLP's c_proj with draws of its own
+      err |= direct_errors(work, rc, "writers", l, attn, rc.writers[l], rerun)
+      err |= direct_errors(work, rc, "mlp_writers", l, mlp, rc.mlp_writers[l], rerun)
     err |= direct_errors(work, rc, "hidden", l, {f"{h}.mlp.c_fc": s["mlp.c_fc"]}, rc.hidden[l], rerun)
   err |= direct_errors(work, rc, "embedding", None, {"transformer.wte": s["embedding"]}, rc.embedding, rerun)
   # 3. the hubs' errors, and the attention internals scored against them (§3.4, §3.5)

@@ -64,11 +64,15 @@ class Recipe:
   group_lr:dict[str, float]          # parameter-name prefix -> lr, for the groups of §4.1 / §3.14
   warmdown:float                     # the fraction of the steps at the end over which the lr falls linearly to zero
   noise:str = "gaussian"             # every draw's distribution (kernels/noise.py): "gaussian", or "rademacher" (±1)
+  # per block: draws of the MLP's c_proj alone, the writers' then jittering attention's c_proj alone; None: the two
+  # share the writers' draws (the release's)
+  mlp_writers:tuple[int, ...]|None = None
 
   def lr_for(self, name:str) -> float:
     return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
   def counts(self) -> list[int]:  # every count that splits into chunks: the direct draws' and the local draws'
-    return [*self.writers, *self.hidden, *self.hubs, self.embedding, *(c for v in self.local.values() for c in v)]
+    return [*self.writers, *(self.mlp_writers or ()), *self.hidden, *self.hubs, self.embedding,
+            *(c for v in self.local.values() for c in v)]
 
 def resample(counts:tuple[int, ...], n:int, unit:int) -> tuple[int, ...]:
   """Spread an 8-block allocation over n blocks, keeping its total and multiples of `unit`. The counts are read as a
@@ -152,5 +156,6 @@ def forwards(rc:Recipe) -> float:
   and the attention internals' draws rerun no network (a slab of the cached logits; one attention), so they count as
   none."""
   L = len(rc.writers)
-  reruns = sum((w + h + u) * (L - l) / L for l, (w, h, u) in enumerate(zip(rc.writers, rc.hidden, rc.hubs)))
+  direct = zip(rc.writers, rc.mlp_writers or (0,) * L, rc.hidden, rc.hubs)
+  reruns = sum(sum(counts) * (L - l) / L for l, counts in enumerate(direct))
   return 1 + rc.embedding + 2 * rc.scalar_draws + reruns

@@ -463,10 +463,10 @@ def changes() -> list[str]:
   text = (pathlib.Path(__file__).resolve().parent.parent / "docs/dust.md").read_text()
   return re.findall(r"```python\n(.*?)```", text[text.index("### 3.16 Change Dust"):text.index("## 4. Optimisers")], re.S)
 
-@pytest.mark.parametrize("change", range(3))
+@pytest.mark.parametrize("change", range(4))
 def test_change_dust(setup, change:int):
   model, x, y, _ = setup
-  assert len(changes()) == 3
+  assert len(changes()) == 4
   rc = dust.recipe(64, n_layer=model.n_pblocks)  # the recipe that `estimate` runs
   scope = {"rc": rc, "replace": replace}
   exec(changes()[change], scope)
@@ -482,6 +482,9 @@ def test_change_dust(setup, change:int):
     assert writers <= moved and any(".attn.c_v" in n for n in moved), moved
     assert not any(k in n for n in moved for k in ("c_fc", "wte", "lm_head", "lambdas")), moved
   if change == 2: assert moved and all(n.startswith("transformer.h.0.") for n in moved), moved
+  if change == 3:
+    assert moved == writers, moved
+    assert recipes.forwards(changed) > recipes.forwards(rc) and len(changed.counts()) == len(rc.counts()) + model.n_pblocks
   fresh = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0)
   opt = optim.Optimizer(fresh.params, {n: changed.lr_for(n) for n in fresh.params}, "sgd", changed.momentum, 0)
   losses = []
