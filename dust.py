@@ -34,7 +34,7 @@ from kernels.loss import exp_sum, softcap
 from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import device, inputs, last_call_start, replicas, sum_draws
-from recipes import KINDS, Recipe, budget, recipe
+from recipes import KINDS, Recipe, budget, forwards, recipe
 from registry import POSITIVE, Defaults, Option, Run, estimator
 import engine
 
@@ -89,7 +89,7 @@ def defaults(run:Run) -> Defaults:
 
 # ***** the estimator: §3's steps in order *****
 
-@estimator("dust", defaults=defaults, check=check,
+@estimator("dust", defaults=defaults, check=check, forwards=lambda run: forwards(run_recipe(run)),
   noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
   head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
               "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),

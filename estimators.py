@@ -101,7 +101,7 @@ def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
   """coef_k = (L(θ + εz_k) − L(θ − εz_k)) / (2εK), and the mean loss."""
   return (losses[:, 0] - losses[:, 1]) / (2 * eps * losses.shape[0]), losses.mean()
 
-@estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"),
+@estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"), forwards=lambda run: 2 * run.pop,
            eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
@@ -128,6 +128,7 @@ def pairs(run:Run):
   spread_draws(run, run.pop // 2, "antithetic pair")
 
 @estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
+           forwards=lambda run: run.pop,
            sigma=Option("the perturbation scale σ", check=POSITIVE),
            shaping=Option("fitness shaping: centred ranks, z-scores or the raw fitness",
                           choices=("rank", "zscore", "none")),
@@ -163,7 +164,7 @@ def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
   return buf, loss, flat_squares(loss, buf)  # the check's sums here: a JIT of their own cost its host time every step
 
 # the release's baseline: under SGD wte's lr is 1000 (it feeds an RMSNorm, so its gradient is tiny)
-@estimator("backprop", keyed=False,
+@estimator("backprop", keyed=False, forwards=lambda run: 3,  # a forward, and a backward of twice its work
            defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
   """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is

@@ -19,8 +19,9 @@ doesn't take is refused. Besides its options, it may name any of the run's value
              restores it
 
 It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer,
-or a function of the Run that gives one), and `check(run)`, which raises ValueError for a run it can't do, before
-anything is written.
+or a function of the Run that gives one), `check(run)`, which raises ValueError for a run it can't do, before
+anything is written, and `forwards(run)`, the network forwards a step's arithmetic needs (what tests/bench.py and the
+fine-tuning race count a step's cost in).
 """
 from __future__ import annotations
 import functools, inspect, math
@@ -74,6 +75,7 @@ class Entry:
   defaults:dict[str, Defaults]|Callable[[Run], Defaults]
   check:Callable[[Run], None]|None
   keyed:bool  # False: fn draws no noise, and gets no key
+  forwards:Callable[[Run], float]|None  # the forwards a step's arithmetic needs; None: not declared
 
   @functools.cached_property  # read at every step, by the loop
   def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
@@ -89,16 +91,16 @@ class Entry:
 ESTIMATORS:dict[str, Entry] = {}
 
 def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults]=STANDARD,
-              check:Callable[[Run], None]|None=None,
-              keyed:bool=True, **options:Option) -> Callable[[Callable], Callable]:
+              check:Callable[[Run], None]|None=None, keyed:bool=True,
+              forwards:Callable[[Run], float]|None=None, **options:Option) -> Callable[[Callable], Callable]:
   """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's
-  defaults and a check of the run."""
+  defaults, a check of the run and the forwards a step needs."""
   def register(fn:Callable) -> Callable:
     params = inspect.signature(fn).parameters
     for o in options:
       if o not in params or params[o].default is inspect.Parameter.empty:
         raise TypeError(f"estimator {name}: option {o!r} must be a keyword argument of {fn.__name__} with a default")
       if o in RUN_VALUES: raise TypeError(f"estimator {name}: {o!r} is a run value, not an option")
-    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed)
+    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards)
     return fn
   return register

@@ -53,7 +53,7 @@ def gaussians(model, key:Tensor, pop:int) -> list[dict[str, Tensor]]:
 
 # ***** HiZOO *****
 
-@estimator("hizoo", eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("hizoo", forwards=lambda run: 2 * run.pop + 1, eps=Option("the perturbation scale ε", check=POSITIVE),
            smooth=Option("α, the weight of a step's Hessian estimate in Σ's exponential average",
                          check=(lambda v: 0 < v <= 1, "in (0, 1]")))
 def hizoo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, state:dict[str, Tensor], eps:float=1e-3,
@@ -80,7 +80,7 @@ def hizoo_step(model, x:Tensor, y:Tensor, key:Tensor, sigma:dict[str, Tensor], p
 
 # ***** LOZO *****
 
-@estimator("lozo", eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("lozo", forwards=lambda run: 2 * run.pop, eps=Option("the perturbation scale ε", check=POSITIVE),
            subspace=Option("r, the rank of a matrix's perturbation U Vᵀ (V's columns span its rows' subspace)",
                            check=POSITIVE),
            every=Option("ν, the steps that keep one V", check=POSITIVE))
@@ -108,7 +108,7 @@ def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:f
 
 # ***** ConMeZO *****
 
-@estimator("conmezo", eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("conmezo", forwards=lambda run: 2 * run.pop, eps=Option("the perturbation scale ε", check=POSITIVE),
            angle=Option("θ, the cone's half-angle around the momentum, in radians",
                         check=(lambda v: 0 <= v <= math.pi / 2, "in [0, π/2]")),
            beta=Option("β, the momentum's decay: m ← βm + (1 − β)g", check=(lambda v: 0 <= v < 1, "in [0, 1)")))
@@ -147,7 +147,7 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.T) @ X
   return X
 
-@estimator("zomuon", eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("zomuon", forwards=lambda run: run.pop + 1, eps=Option("the perturbation scale ε", check=POSITIVE),
            subspace=Option("r, the dimension of a matrix's subspace P", check=POSITIVE),
            every=Option("ν, the steps that keep one subspace P", check=POSITIVE))
 def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3,

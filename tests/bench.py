@@ -30,7 +30,7 @@ from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from registry import ESTIMATORS
-import dust, engine, estimators, optim, recipes, zo
+import dust, engine, estimators, optim, zo
 
 PEAK = [0]
 _allocate = Buffer.allocate
@@ -117,9 +117,9 @@ class ByKind:
   def __exit__(self, *exc): dust.sum_draws = self.sum_draws
 
 def forwards(model, method:str, pop:int) -> float:
-  """The forwards a step's arithmetic needs (the module's docstring)."""
-  if method == "dust": return recipes.forwards(recipes.recipe(pop, "1M", "sgd", model.n_pblocks))
-  return {"mezo": 2 * pop, "es": pop, "backprop": 3, "hizoo": 2 * pop + 1, "lozo": 2 * pop, "conmezo": 2 * pop, "zomuon": pop + 1}[method]
+  """The forwards a step's arithmetic needs, as the estimator declares them (registry.py)."""
+  entry = ESTIMATORS[method]
+  return entry.forwards(entry.run(model, pop)) if entry.forwards else float("nan")
 
 def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
