@@ -402,7 +402,8 @@ def test_resume_continues_exactly(background):
     if "val_loss" in ra and "val_loss" in rb: assert abs(ra["val_loss"] - rb["val_loss"]) < 1e-6, (ra, rb)
   pa, pb = safe_load(str(out / "full" / "model.safetensors")), safe_load(str(out / "split" / "model.safetensors"))
   for n in [k for k in pa if k.startswith("param.")]: np.testing.assert_allclose(pb[n].numpy(), pa[n].numpy(), rtol=0, atol=1e-6, err_msg=n)
-  assert json.load(open(out / "split" / "config.json"))["steps"] == 10
+  config = json.load(open(out / "split" / "config.json"))
+  assert config["steps"] == 10 and config["forwards_per_step"] == 2 * RUN["pop"]  # MeZO: two forwards per direction
 
 def test_resume_refusals(background):
   # resuming into another method or model shape, or overwriting a run without --force, must stop with exit code 2 and one line
