@@ -10,6 +10,7 @@
                                                      never rots); minutes on 2 CPU cores, nearly all of it compiling kernels
   DEV=CUDA python tests/bench.py --loops 4 16 64 256   only the looped model's table: every estimator at each loop count
   DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
+  DEV=CUDA python tests/bench.py --presets small --rows conmezo:16 --profile 12     the 12 kernels of most time in a step, per row
 
 A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no
 row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them,
@@ -21,11 +22,11 @@ is a TinyJit like every step, measured the same way. Under the backprop row, PyT
 (bf16, SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the
 generator alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
-import argparse, gc, importlib.util, json, os, subprocess, sys, tempfile, time
+import argparse, collections, contextlib, gc, importlib.util, io, json, os, re, subprocess, sys, tempfile, time
 from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
-from tinygrad import Device, GlobalCounters, Tensor, TinyJit
+from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
@@ -121,6 +122,19 @@ def forwards(model, method:str, pop:int) -> float:
   entry = ESTIMATORS[method]
   return entry.forwards(entry.run(model, pop)) if entry.forwards else float("nan")
 
+def kernel_times(fn, top:int) -> list[tuple[str, float, int]]:
+  """The `top` kernels of most time in a call of fn, summed by name: (name, seconds, launches). tinygrad prints each kernel's time at
+  DEBUG=2, in a JIT's replay too when it runs without graphs (--profile sets JIT_BATCH_SIZE=0)."""
+  out, times, counts = io.StringIO(), collections.Counter(), collections.Counter()
+  with contextlib.redirect_stdout(out), Context(DEBUG=2):
+    fn()
+    sync()  # a kernel's line is printed when it has run
+  for line in re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines():
+    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)/", line):
+      times[m[1]] += float(m[2]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m[3]]
+      counts[m[1]] += 1
+  return [(k, t, counts[k]) for k, t in times.most_common(top)] + [("(all kernels)", sum(times.values()), sum(counts.values()))]
+
 def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
   steps are at least n and fill about `fill` seconds, sized by one step: three steps of the small preset's backprop (~2 ms each) varied
@@ -146,6 +160,7 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks
     with ByKind() as by_kind: row["split_s"] = timed(run, 1)
     row["split"] = by_kind.times
+  if top := int(os.environ.get("PROFILE", 0)): row["kernels"] = kernel_times(run, top)
   return row
 
 def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
@@ -228,6 +243,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
             f"{row['peak'] / 2**20:9.1f} {row['peak'] / f['peak']:7.2f} {row['first_s']:8.1f}" + (f" {warm:7.1f}" if warm is not None else ""),
             flush=True)
       if name == "backprop" and not args.quick: print("  " + torch_backprop(model, x, y, clean), flush=True)
+      for k, t, n in row.get("kernels", []): print(f"  {t * 1e3:9.3f} ms {n:6d}x {k}", flush=True)
       if "split" in row:
         print(f"  by chunk kind, in a step of {row['split_s']:.3f} s with the syncs: " +
               ", ".join(f"{k} {v:.3f} s" for k, v in row["split"].items()), flush=True)
@@ -279,9 +295,12 @@ def main():
   p.add_argument("--default", action="store_true", help="only the default command's wall time against backprop's")
   p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
   p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust row on each of these device counts")
+  p.add_argument("--profile", type=int, default=0, metavar="N", help="under each row, the N kernels of most time in a step "
+                 "(the rows run without CUDA graphs, so their s/step is not the table's)")
   p.add_argument("--json", default=None, help="also write the rows to this file (plot.py --bench draws from it)")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()
+  if args.profile: os.environ |= {"PROFILE": str(args.profile), "JIT_BATCH_SIZE": "0"}  # the rows' processes inherit it
   if args.row: return print("ROW " + json.dumps(one_row(args.presets[0], args.row, args.quick, args.devices[0])), flush=True)
   if args.loops: return looped_table(args.loops, args.quick, 64 if args.quick else 1024)
   if args.default: return print(json.dumps(default_run(args)))

@@ -28,3 +28,17 @@ def test_bench_quick():
   assert sum(parts.values()) <= float(step), (parts, step)
   row = re.search(r"^ +2 +(.*)$", out, re.M).group(1)  # the looped table's row at 2 loops: time and memory for mezo, es, dust, backprop
   assert len(re.findall(r"[\d.]+ s +[\d.]+ MiB", row)) == 4, row
+
+def test_kernel_times():
+  # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is: its two kernels (a sum, then an elementwise
+  # op on its result), each named and timed once, the total their sum
+  sys.path.insert(0, str(ROOT / "tests"))
+  import numpy as np
+  from bench import kernel_times
+  from tinygrad import Tensor, TinyJit
+  a = Tensor(np.arange(1000, dtype=np.float32)).realize()
+  step = TinyJit(lambda t: ((t.sum() + t).contiguous() * 2).realize())
+  for _ in range(3): step(a)  # run, capture, replay
+  *kernels, (name, total, launches) = top = kernel_times(lambda: step(a), 5)
+  assert name == "(all kernels)" and launches == len(kernels) == 2 and all(t > 0 and n == 1 for _, t, n in kernels), top
+  assert abs(total - sum(t for _, t, _ in kernels)) < 1e-9, top
