@@ -8,12 +8,17 @@
                                                                   the same, and a table: each run's final val loss,
                                                                   seconds, and the seconds it took to reach the --reach
                                                                   run's final loss
+  python plot.py docs/finetune/*-*/ --best --out docs/finetune/race.png
+                                                                  each method's run of lowest final val loss (of its
+                                                                  lrs, by config.json's method), val loss against seconds
+                                                                  and against network forwards, and their table
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
                                                                   a Dust update's seconds against the population, zo
                                                                   beside the PyTorch reference (bench.json from
                                                                   `tests/bench.py --json`)
 """
 import argparse, json, os
+from collections import defaultdict
 import matplotlib
 matplotlib.use("Agg")  # files only: no screen needed
 import matplotlib.pyplot as plt
@@ -50,6 +55,45 @@ def reach_table(runs:list[str], target_run:str) -> str:
                 f"{m[-1]['seconds']:,.1f} | {hit} |")
   return "\n".join(rows)
 
+def best_runs(runs:list[str]) -> dict[str, list[tuple[str, dict, list[dict]]]]:
+  """method -> its runs as (folder, config, evaluations), the lowest final val loss first."""
+  by = defaultdict(list)
+  for run in runs:
+    with open(os.path.join(run, "config.json")) as f: config = json.load(f)
+    by[config["method"]].append((run, config, metrics(run)))
+  return {m: sorted(rs, key=lambda r: r[2][-1]["val_loss"]) for m, rs in by.items()}
+
+def forwards(config:dict, r:dict) -> float:
+  """The network forwards of steps 0..r's step, as the run's estimator declared a step's (evaluations not counted)."""
+  return (r["step"] + 1) * config["forwards_per_step"]
+
+def best_curves(by:dict, out:str):
+  """Each method's best run: val loss against seconds and against forwards."""
+  fig, (by_time, by_forwards) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items())):
+    shown = dict(label=f"{method} (lr {config['lr']:g})", color=plt.cm.tab10(i))
+    by_time.plot([r["seconds"] for r in evals], [r["val_loss"] for r in evals], **shown)
+    by_forwards.plot([forwards(config, r) for r in evals], [r["val_loss"] for r in evals], **shown)
+  by_time.set(xlabel="seconds (compiling included)", ylabel="val loss (nats)")
+  by_forwards.set(xlabel="network forwards (log scale)", xscale="log")
+  for ax in (by_time, by_forwards): ax.grid(alpha=0.3)
+  by_time.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
+def best_table(by:dict) -> str:
+  """A markdown table: a row per method, its best lr (every lr tried, with its final val loss), and that run's val loss at the
+  start, at the end and at its lowest, its seconds, steps and forwards; the best method first."""
+  rows = ["| method | lr (tried: final val) | val at step 0 | final val | lowest val (at seconds) | seconds | steps | forwards |",
+          "|---|---|---|---|---|---|---|---|"]
+  for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
+    _, config, v = rs[0]
+    tried = ", ".join(f"{c['lr']:g}: {e[-1]['val_loss']:.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    low = min(v, key=lambda r: r["val_loss"])
+    rows.append(f"| {method} | {config['lr']:g} ({tried}) | {v[0]['val_loss']:.3f} | {v[-1]['val_loss']:.3f} | {low['val_loss']:.3f} "
+                f"({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | {v[-1]['step'] + 1:,} | {forwards(config, v[-1]):,.0f} |")
+  return "\n".join(rows)
+
 def dust_times(bench:str, reference:str, out:str):
   rows = [r for r in json.load(open(bench)) if r["method"] == "dust" and r["devices"] == 1]
   ref = json.load(open(reference))
@@ -73,12 +117,16 @@ if __name__ == "__main__":
   p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
   p.add_argument("--reach", help="a run folder: also print a table of each run's seconds and tokens "
                  "to reach the final val loss of this run")
+  p.add_argument("--best", action="store_true", help="each method's best run (of its lrs): against seconds and forwards, "
+                 "and a table")
   p.add_argument("--out", required=True, help="the PNG to write")
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
   elif args.runs:
     if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
       p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
-    loss_curves(args.runs, args.out, args.reach)
+    if args.best: best_curves(by := best_runs(args.runs), args.out)
+    else: loss_curves(args.runs, args.out, args.reach)
+    if args.best: print(best_table(by))
     if args.reach: print(reach_table(args.runs, args.reach))
   else: p.error("give run folders, or --bench with --reference")
