@@ -190,7 +190,10 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   # copies of the JITs' own buffers, which their next call writes again
   if isinstance(g, Flat): g = Flat(g.buf.clone().realize())
   if isinstance(g, Compact): g = Compact(g.key, g.coef.clone().realize(), g.rank)
-  return g.dense(model.params) if isinstance(g, (Compact, Flat)) else {n: t.clone().realize() for n, t in g.items()}
+  if isinstance(g, (Compact, Flat)): return g.dense(model.params)
+  copies = {n: t.clone() for n, t in g.items()}
+  Tensor.realize(*copies.values())
+  return copies
 
 # zoo.py registers HiZOO, LOZO, ConMeZO and ZO-Muon (it imports spsa from here, so it comes last)
 import zoo  # noqa: E402, F401

@@ -10,7 +10,7 @@
                                                                   run's final loss
   python plot.py docs/finetune/*-*/ --best --out docs/finetune/race.png
                                                                   each method's run of lowest final val loss (of its
-                                                                  lrs, by config.json's method), val loss against seconds
+                                                                  lrs; config.json's method), val loss against seconds
                                                                   and against network forwards, and their table
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
                                                                   a Dust update's seconds against the population, zo
@@ -82,16 +82,17 @@ def best_curves(by:dict, out:str):
   fig.savefig(out, dpi=120)
 
 def best_table(by:dict) -> str:
-  """A markdown table: a row per method, its best lr (every lr tried, with its final val loss), and that run's val loss at the
-  start, at the end and at its lowest, its seconds, steps and forwards; the best method first."""
-  rows = ["| method | lr (tried: final val) | val at step 0 | final val | lowest val (at seconds) | seconds | steps | forwards |",
-          "|---|---|---|---|---|---|---|---|"]
+  """A markdown table: a row per method, its best lr (every lr tried, with its final val loss), and that run's val loss
+  after its first step, at the end and at its lowest, its seconds, steps and forwards; the best method first."""
+  rows = ["| method | lr (tried: final val) | val after step 0 | final val | lowest val (at seconds) | seconds | steps "
+          "| forwards |", "|---|---|---|---|---|---|---|---|"]
   for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
     _, config, v = rs[0]
     tried = ", ".join(f"{c['lr']:g}: {e[-1]['val_loss']:.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = min(v, key=lambda r: r["val_loss"])
-    rows.append(f"| {method} | {config['lr']:g} ({tried}) | {v[0]['val_loss']:.3f} | {v[-1]['val_loss']:.3f} | {low['val_loss']:.3f} "
-                f"({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | {v[-1]['step'] + 1:,} | {forwards(config, v[-1]):,.0f} |")
+    rows.append(f"| {method} | {config['lr']:g} ({tried}) | {v[0]['val_loss']:.3f} | {v[-1]['val_loss']:.3f} | "
+                f"{low['val_loss']:.3f} ({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | {v[-1]['step'] + 1:,} | "
+                f"{forwards(config, v[-1]):,.0f} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):
@@ -117,16 +118,20 @@ if __name__ == "__main__":
   p.add_argument("--reference", help="the reference's measured seconds per population (docs/reference.json)")
   p.add_argument("--reach", help="a run folder: also print a table of each run's seconds and tokens "
                  "to reach the final val loss of this run")
-  p.add_argument("--best", action="store_true", help="each method's best run (of its lrs): against seconds and forwards, "
-                 "and a table")
+  p.add_argument("--best", action="store_true", help="each method's best run (of its lrs): against seconds and "
+                 "forwards, and a table")
   p.add_argument("--out", required=True, help="the PNG to write")
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
   elif args.runs:
     if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
       p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
-    if args.best: best_curves(by := best_runs(args.runs), args.out)
+    if args.best:
+      configs = {r: json.load(open(os.path.join(r, "config.json"))) for r in args.runs}
+      if unknown := [r for r, c in configs.items() if c.get("lr") is None or c.get("forwards_per_step") is None]:
+        p.error(f"--best needs each run's --lr and its forwards a step in config.json, which {', '.join(unknown)} lack")
+      best_curves(by := best_runs(args.runs), args.out)
+      print(best_table(by))
     else: loss_curves(args.runs, args.out, args.reach)
-    if args.best: print(best_table(by))
     if args.reach: print(reach_table(args.runs, args.reach))
   else: p.error("give run folders, or --bench with --reference")

@@ -47,7 +47,8 @@ SGD_LR = {"1M": {256: (0.25, 0.95), 1024: (0.225, 0.95), 4096: (0.225, 0.98), 16
 class Recipe:
   population:int
   per_chunk:int                      # draws per chunk: the batch is repeated this many times in one forward
-  writers:tuple[int, ...]            # per block, shared by its attn.c_proj and mlp.c_proj, jittered together (§3.3)
+  writers:tuple[int, ...]            # per block: its attn.c_proj and mlp.c_proj, jittered together (§3.3); or
+                                     # attn.c_proj alone, when mlp_writers is set
   hidden:tuple[int, ...]             # per block: the MLP's c_fc
   hubs:tuple[int, ...]               # per block: the attention outputs, the local draws' targets (§3.4)
   embedding:int
@@ -68,6 +69,11 @@ class Recipe:
   # share the writers' draws (the release's)
   mlp_writers:tuple[int, ...]|None = None
 
+  def __post_init__(self):
+    if self.mlp_writers is not None and (len(self.mlp_writers) != len(self.writers) or
+                                         any(c % self.per_chunk for c in self.mlp_writers)):
+      raise ValueError(f"mlp_writers {self.mlp_writers}: one count per block ({len(self.writers)}), each a whole "
+                       f"number of chunks of {self.per_chunk} draws")
   def lr_for(self, name:str) -> float:
     return next((lr for pre, lr in self.group_lr.items() if name.startswith(pre)), self.lr)
   def counts(self) -> list[int]:  # every count that splits into chunks: the direct draws' and the local draws'
@@ -156,6 +162,6 @@ def forwards(rc:Recipe) -> float:
   and the attention internals' draws rerun no network (a slab of the cached logits; one attention), so they count as
   none."""
   L = len(rc.writers)
-  direct = zip(rc.writers, rc.mlp_writers or (0,) * L, rc.hidden, rc.hubs)
+  direct = zip(rc.writers, (0,) * L if rc.mlp_writers is None else rc.mlp_writers, rc.hidden, rc.hubs)
   reruns = sum(sum(counts) * (L - l) / L for l, counts in enumerate(direct))
   return 1 + rc.embedding + 2 * rc.scalar_draws + reruns

@@ -267,7 +267,7 @@ def train(args):
   warmdown = d.warmdown if args.warmdown is None else args.warmdown
   config = {k: v for k, v in vars(args).items()
             if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
-  # what a step costs in network forwards, as its estimator declares (registry.py): the x-axis of compute-fair comparisons
+  # a step's cost in network forwards, as its estimator declares (registry.py): the x-axis of compute-fair comparisons
   config["forwards_per_step"] = entry.forwards(job) if entry.forwards else None
   check_memory(args, model)
   init_from(args, model)

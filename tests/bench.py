@@ -12,14 +12,14 @@
   DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
   DEV=CUDA python tests/bench.py --presets small --rows conmezo:16 --profile 12     the 12 kernels of most time in a step, per row
 
-A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no
-row inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them,
-after one that compiles and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (mezo: 2 per
-direction; es: 1 per member; dust: the capture, the direct draws' reruns from their block and the scalars' forwards, recipes.forwards;
-backprop: 3, a forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's allocated bytes
-during the row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The clean forward
-is a TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and batch
-(bf16, SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the
+A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no row
+inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them, after
+one that compiles and one that captures the JITs), that time in clean forwards, the forwards its arithmetic needs (as the estimator
+declares them, registry.py: mezo 2 per direction, es 1 per member, dust the capture, the direct draws' reruns from their block and the
+scalars' forwards, backprop 3, a forward and a backward of twice its work), the overhead (the ratio of the two), the peak of tinygrad's
+allocated bytes during the row (parameters and batch included) and that peak over the clean forward's, and the first step's seconds. The
+clean forward is a TinyJit like every step, measured the same way. Under the backprop row, PyTorch's backprop step on the same model and
+batch (bf16, SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the
 generator alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
 import argparse, collections, contextlib, gc, importlib.util, io, json, os, re, subprocess, sys, tempfile, time
@@ -124,16 +124,20 @@ def forwards(model, method:str, pop:int) -> float:
 
 def kernel_times(fn, top:int) -> list[tuple[str, float, int]]:
   """The `top` kernels of most time in a call of fn, summed by name: (name, seconds, launches). tinygrad prints each kernel's time at
-  DEBUG=2, in a JIT's replay too when it runs without graphs (--profile sets JIT_BATCH_SIZE=0)."""
+  DEBUG=2, in a JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled())."""
   out, times, counts = io.StringIO(), collections.Counter(), collections.Counter()
   with contextlib.redirect_stdout(out), Context(DEBUG=2):
     fn()
     sync()  # a kernel's line is printed when it has run
   for line in re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines():
-    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)/", line):
+    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/", line):
       times[m[1]] += float(m[2]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m[3]]
       counts[m[1]] += 1
   return [(k, t, counts[k]) for k, t in times.most_common(top)] + [("(all kernels)", sum(times.values()), sum(counts.values()))]
+
+def profiled(top:int) -> dict[str, str]:
+  """The environment of --profile's rows: the number of kernels to print, and JITs without graphs (a graph is one launch)."""
+  return {"BENCH_PROFILE": str(top), "JIT": "2"}
 
 def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fill:float, devices:int=1) -> dict:
   """One estimate + its SGD update, as the training loop runs them (the population spread over `devices`, for mezo/es/dust). The timed
@@ -160,7 +164,7 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks
     with ByKind() as by_kind: row["split_s"] = timed(run, 1)
     row["split"] = by_kind.times
-  if top := int(os.environ.get("PROFILE", 0)): row["kernels"] = kernel_times(run, top)
+  if top := int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(run, top)
   return row
 
 def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
@@ -300,7 +304,7 @@ def main():
   p.add_argument("--json", default=None, help="also write the rows to this file (plot.py --bench draws from it)")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()
-  if args.profile: os.environ |= {"PROFILE": str(args.profile), "JIT_BATCH_SIZE": "0"}  # the rows' processes inherit it
+  if args.profile: os.environ |= profiled(args.profile)  # the rows' processes inherit it
   if args.row: return print("ROW " + json.dumps(one_row(args.presets[0], args.row, args.quick, args.devices[0])), flush=True)
   if args.loops: return looped_table(args.loops, args.quick, 64 if args.quick else 1024)
   if args.default: return print(json.dumps(default_run(args)))

@@ -1,6 +1,6 @@
 """The benchmark's harness (tests/bench.py --quick, the tiny model on the CPU), run as a user runs it, so that it never rots: every
 row of its tables must be printed with a positive time and memory. Speed itself is never asserted (CI machines differ)."""
-import os, re, subprocess, sys
+import json, os, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,16 +29,27 @@ def test_bench_quick():
   row = re.search(r"^ +2 +(.*)$", out, re.M).group(1)  # the looped table's row at 2 loops: time and memory for mezo, es, dust, backprop
   assert len(re.findall(r"[\d.]+ s +[\d.]+ MiB", row)) == 4, row
 
+KERNELS = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+from bench import kernel_times
+from tinygrad import Tensor, TinyJit
+a = Tensor(np.arange(1000, dtype=np.float32)).realize()
+step = TinyJit(lambda t: ((t.sum() + t).contiguous() * 2).realize())
+for _ in range(3): step(a)  # run, capture, replay
+print(json.dumps(kernel_times(lambda: step(a), 5)))
+"""
+
 def test_kernel_times():
-  # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is: its two kernels (a sum, then an elementwise
-  # op on its result), each named and timed once, the total their sum
+  # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is, in --profile's environment, on the NULL device
+  # (which batches a JIT's kernels into a graph, as CUDA does): its two kernels (a sum, then an elementwise op on its result), each
+  # named and counted once, not one graph; the total is their sum
   sys.path.insert(0, str(ROOT / "tests"))
-  import numpy as np
-  from bench import kernel_times
-  from tinygrad import Tensor, TinyJit
-  a = Tensor(np.arange(1000, dtype=np.float32)).realize()
-  step = TinyJit(lambda t: ((t.sum() + t).contiguous() * 2).realize())
-  for _ in range(3): step(a)  # run, capture, replay
-  *kernels, (name, total, launches) = top = kernel_times(lambda: step(a), 5)
-  assert name == "(all kernels)" and launches == len(kernels) == 2 and all(t > 0 and n == 1 for _, t, n in kernels), top
+  from bench import profiled
+  r = subprocess.run([sys.executable, "-c", KERNELS], cwd=ROOT, env={**os.environ, "DEV": "NULL", **profiled(5)}, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  *kernels, (name, total, launches) = top = json.loads(r.stdout.splitlines()[-1])
+  assert name == "(all kernels)" and launches == len(kernels) == 2 and all(n == 1 and k.startswith(("r_", "E_")) for k, _, n in kernels), top
   assert abs(total - sum(t for _, t, _ in kernels)) < 1e-9, top

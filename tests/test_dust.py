@@ -464,7 +464,7 @@ def changes() -> list[str]:
   return re.findall(r"```python\n(.*?)```", text[text.index("### 3.16 Change Dust"):text.index("## 4. Optimisers")], re.S)
 
 @pytest.mark.parametrize("change", range(4))
-def test_change_dust(setup, change:int):
+def test_change_dust(setup, change:int, monkeypatch):
   model, x, y, _ = setup
   assert len(changes()) == 4
   rc = dust.recipe(64, n_layer=model.n_pblocks)  # the recipe that `estimate` runs
@@ -484,6 +484,13 @@ def test_change_dust(setup, change:int):
   if change == 2: assert moved and all(n.startswith("transformer.h.0.") for n in moved), moved
   if change == 3:
     assert moved == writers, moved
+    # its draws are keyed apart: no group's (group, block) address in the key tree is drawn twice in a step
+    paths, sum_draws = [], dust.sum_draws
+    monkeypatch.setattr(dust, "sum_draws", lambda *a, path, **kw: paths.append(path) or sum_draws(*a, path=path, **kw))
+    estimators.estimate(model, x, y, "dust", 64, 1, rc=changed)
+    assert len(paths) == len(set(paths)) and (dust.GROUPS.index("mlp_writers"), 0) in paths, paths
+    for bad in (rc.writers[:1], tuple(w + 1 for w in rc.writers)):  # a count per block, each whole chunks
+      with pytest.raises(ValueError, match="mlp_writers"): replace(rc, mlp_writers=bad)
     assert recipes.forwards(changed) > recipes.forwards(rc) and len(changed.counts()) == len(rc.counts()) + model.n_pblocks
   fresh = GPT(GPTConfig.preset("tiny", seq_len=T), seed=0)
   opt = optim.Optimizer(fresh.params, {n: changed.lr_for(n) for n in fresh.params}, "sgd", changed.momentum, 0)
