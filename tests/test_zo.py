@@ -476,7 +476,8 @@ def test_best_table(tmp_path:Path):
   # a run without its lr (the method's default) is refused in one line that names it
   r = subprocess.run([sys.executable, "plot.py", str(tmp_path / "a-1"), str(tmp_path / "c"), "--best", "--out", str(tmp_path / "x.png")],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 2 and "Traceback" not in r.stderr and str(tmp_path / "c") in r.stderr.splitlines()[-1] and "--lr" in r.stderr, r.stderr[-2000:]
+  said = r.stderr.splitlines()[-1]
+  assert r.returncode == 2 and "Traceback" not in r.stderr and str(tmp_path / "c") in said and "--lr" in said, r.stderr[-2000:]
 
 # ***** 7. the command line *****
 
