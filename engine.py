@@ -478,3 +478,15 @@ def per_call(n:int, tokens:int, most:int) -> int:
   """How many of n equal pieces of `tokens` tokens one JIT call runs: the most that divide n (so every call has one shape, one JIT)
   and hold at most `most` tokens together, at least one."""
   return max(c for c in range(1, max(1, min(n, most // tokens)) + 1) if n % c == 0)  # up to the most that fit, not to n (a pop of 1e9)
+
+def by_shape(fn:Callable[[Tensor], Tensor], tensors:dict[str, Tensor]) -> dict[str, Tensor]:
+  """fn of each tensor, the tensors of one shape stacked into one batch (fn treats the first axis as one): each of fn's
+  kernels launches once a shape, not once a tensor (ZO-Muon's Newton-Schulz, 24 iterations of small matmuls per matrix:
+  14,182 kernels a step at the small preset and pop 4, 2,087 stacked)."""
+  shapes:dict[tuple, list[str]] = {}
+  for n, t in tensors.items(): shapes.setdefault(t.shape, []).append(n)
+  out = {}
+  for names in shapes.values():
+    y = fn(Tensor.stack(*[tensors[n] for n in names]))
+    out |= {n: y[i] for i, n in enumerate(names)}
+  return {n: out[n] for n in tensors}

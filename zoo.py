@@ -142,10 +142,10 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   """The polar factor U Vᵀ of X = U S Vᵀ by the Newton-Schulz iteration X ← 1.5X − 0.5 X Xᵀ X from X/|X|_F: each
   singular value, in (0, 1] at the start, goes σ → 1.5σ − 0.5σ³, rising by 1.5x while small and converging quadratically
   near 1, so 24 iterations take any σ ≥ 1e-3 to 1 within float32's rounding. (Muon's quintic takes fewer and leaves σ in
-  about [0.7, 1.2].) Zero stays zero."""
-  if X.shape[0] > X.shape[1]: return msign(X.T, iterations).T  # X Xᵀ on the short side
-  X = X / (X.square().sum().sqrt() + 1e-30)
-  for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.T) @ X
+  about [0.7, 1.2].) Zero stays zero. X may be a batch of matrices, [..., m, n]."""
+  if X.shape[-2] > X.shape[-1]: return msign(X.transpose(-1, -2), iterations).transpose(-1, -2)  # X Xᵀ: the short side
+  X = X / (X.square().sum((-2, -1), keepdim=True).sqrt() + 1e-30)
+  for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X
   return X
 
 @estimator("zomuon", forwards=lambda run: run.pop + 1, eps=Option("the perturbation scale ε", check=POSITIVE),
@@ -163,12 +163,13 @@ def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:di
   return engine.jit(zomuon_step, model, pop=pop, eps=eps, rank=subspace)(x, y, key, window(state, key, step, every))
 
 def zomuon_step(model, x:Tensor, y:Tensor, key:Tensor, pkey:Tensor, pop:int, eps:float, rank:int):
-  P = {n: msign(gaussian(fold(pkey, i), (p.shape[0], min(rank, *p.shape))))
-       for i, (n, p) in enumerate(model.params.items()) if p.ndim == 2}
+  P = engine.by_shape(msign, {n: gaussian(fold(pkey, i), (p.shape[0], min(rank, *p.shape)))
+                              for i, (n, p) in enumerate(model.params.items()) if p.ndim == 2})
   # Ψ_k = Pᵀ z_k: Gaussian [r, n]
   Psi = [{n: (P[n].T @ z[n]) if n in P else z[n] for n in z} for z in gaussians(model, key, pop)]
   losses = losses_along(model, x, y, [{n: P[n] @ psi[n] if n in P else psi[n] for n in psi} for psi in Psi], eps,
                         signs=(1,))
   clean = clean_loss(model, x, y)
   G = combined(Psi, (losses[:, 0] - clean) / (eps * pop))
-  return {n: P[n] @ msign(g) if n in P else g for n, g in G.items()}, clean
+  orthogonal = engine.by_shape(msign, {n: g for n, g in G.items() if n in P})
+  return {n: P[n] @ orthogonal[n] if n in P else g for n, g in G.items()}, clean

@@ -200,3 +200,16 @@ def test_stack_and_summed_whatever_the_chunks(per_call:int):
     m, sq = engine.summed(_sums, None, x, chunks=range(1, 7), per_call=per_call, shapes=[(3,), (1,)], scale=2.0)
     np.testing.assert_allclose(m.numpy(), 2.0 * np.arange(3) * np.arange(1, 7).sum(), rtol=1e-6)
     np.testing.assert_allclose(sq.numpy(), [(np.arange(1, 7) ** 2).sum()], rtol=1e-6)
+
+def test_by_shape():
+  # fn over same-shape tensors stacked is fn of each: a per-matrix normalisation (it must not mix the stacked matrices), the tensors
+  # back under their own names in their order, each from one call of fn per shape
+  rng = np.random.default_rng(0)
+  ts = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("a", (3, 4)), ("b", (5,)), ("c", (3, 4)), ("d", (3, 4)))}
+  calls = []
+  def fn(X:Tensor) -> Tensor:
+    calls.append(X.shape)
+    return X / X.square().sum(-1, keepdim=True).sqrt()
+  out = engine.by_shape(fn, {n: Tensor(t) for n, t in ts.items()})
+  assert list(out) == list(ts) and sorted(calls) == [(1, 5), (3, 3, 4)], calls
+  for n, t in ts.items(): np.testing.assert_allclose(out[n].numpy(), t / np.sqrt((t ** 2).sum(-1, keepdims=True)), rtol=1e-5, err_msg=n)
