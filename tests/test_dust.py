@@ -472,7 +472,10 @@ def test_change_dust(setup, change:int, monkeypatch):
   exec(changes()[change], scope)
   changed = scope["changed"]
   base = estimate(setup, 64, 1)
+  paths, sum_draws = [], dust.sum_draws  # the key-tree addresses (group, block) the changed step draws at
+  monkeypatch.setattr(dust, "sum_draws", lambda *a, path, **kw: paths.append(path) or sum_draws(*a, path=path, **kw))
   new = {n: g.numpy() for n, g in estimators.estimate(model, x, y, "dust", 64, 1, rc=changed).items()}
+  monkeypatch.undo()
   moved = {n for n in base if not np.array_equal(base[n], new[n])}
   blocks = range(model.n_pblocks)
   writers = {f"transformer.h.{l}.{m}.c_proj.weight" for l in blocks for m in ("attn", "mlp")}
@@ -484,10 +487,7 @@ def test_change_dust(setup, change:int, monkeypatch):
   if change == 2: assert moved and all(n.startswith("transformer.h.0.") for n in moved), moved
   if change == 3:
     assert moved == writers, moved
-    # its draws are keyed apart: no group's (group, block) address in the key tree is drawn twice in a step
-    paths, sum_draws = [], dust.sum_draws
-    monkeypatch.setattr(dust, "sum_draws", lambda *a, path, **kw: paths.append(path) or sum_draws(*a, path=path, **kw))
-    estimators.estimate(model, x, y, "dust", 64, 1, rc=changed)
+    # its draws are keyed apart: no (group, block) address in the key tree is drawn twice in a step
     assert len(paths) == len(set(paths)) and (dust.GROUPS.index("mlp_writers"), 0) in paths, paths
     for bad in (rc.writers[:1], tuple(w + 1 for w in rc.writers)):  # a count per block, each whole chunks
       with pytest.raises(ValueError, match="mlp_writers"): replace(rc, mlp_writers=bad)
