@@ -57,9 +57,9 @@ class Flat:
 
 # ***** the population forward: the losses at θ ± scale·E_k *****
 
-# A population forward holds at most this many tokens: the dust preset's batch (8 x 2048), which an H200 runs at its
-# full rate. So one direction a forward there, where more would only add memory, and 8 at the small preset's 8 x 256,
-# where one alone underfills the GPU.
+# A population forward holds at most this many tokens: the dust preset's batch (8 x 2048), which fills a GPU by itself.
+# So one direction a forward there, where more would only add memory, and 8 at the small preset's 8 x 256, where one
+# alone underfills it (docs/performance.md).
 TOKENS = 16384
 
 def population_losses(model, x:Tensor, y:Tensor, key:Tensor, n:int, scale:float, rank:int=0,
@@ -152,7 +152,7 @@ def gradient(model, x:Tensor, y:Tensor) -> tuple[Tensor, list[Tensor]]:
 def flat_squares(loss:Tensor, buf:Tensor) -> Tensor:
   """The loss and the gradient's sum of squares. Summed as rows of 256, then the rows (zeros pad it to 256 whole rows,
   so that both sums split evenly): tinygrad splits a sum by the small factors of its length, and 37,749,776 = 16 x 1249
-  x 1889, so the plain sum ran in 16 threads (132 ms at the dust preset)."""
+  x 1889, so the plain sum ran in 16 threads (docs/performance.md)."""
   rows = buf.pad((0, -buf.numel() % 65536)).reshape(-1, 256).square().sum(1)
   return Tensor.stack(loss.float().reshape(()), rows.contiguous().sum())
 
@@ -168,8 +168,8 @@ def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
            defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
   """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is
-  the JIT's own, which its next call writes again (a new one every call made tinygrad rebuild the JIT's CUDA graphs: 4
-  ms of host time a step at the small preset, NULL device); `estimate` copies it."""
+  the JIT's own, which its next call writes again (a new one every call made tinygrad rebuild the JIT's CUDA graphs);
+  `estimate` copies it."""
   buf, loss, sums = engine.jit(backprop_pass, model)(x, y)
   return Flat(buf, sums), loss
 

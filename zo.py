@@ -512,7 +512,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  "beside the text)")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --tokens)")
   p.add_argument("--tokens", type=int, default=None, help="training budget in tokens, when --steps is not given "
-                 "(default: 500,000 on a GPU, 20,000 on the CPU, where 2 cores run it in under 10 minutes)")
+                 "(default: 500,000 on a GPU, 20,000 on the CPU)")
   p.add_argument("--batch", type=int, default=8, help="sequences per batch")
   p.add_argument("--seq", type=int, default=None,
                  help="training sequence length, at most the model's context (default: the context)")
