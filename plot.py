@@ -19,6 +19,7 @@
 """
 import argparse, json, os
 from collections import defaultdict
+from typing import Callable
 import matplotlib
 matplotlib.use("Agg")  # files only: no screen needed
 import matplotlib.pyplot as plt
@@ -26,22 +27,29 @@ import matplotlib.pyplot as plt
 def metrics(run:str) -> list[dict]:
   with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
 
+def val_plots(lines:list[tuple[list[dict], Callable, Callable, dict]], left:dict, right:dict, out:str, **legend):
+  """Two plots of val loss side by side, a curve per (evaluations, its x on the left, its x on the right, its style);
+  left and right: each plot's axis settings."""
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for evals, *xs, style in lines:
+    for ax, x in zip(axes, xs): ax.plot([x(r) for r in evals], [r["val_loss"] for r in evals], **style)
+  axes[0].set(ylabel="val loss (nats)", **left)
+  axes[1].set(**right)
+  for ax in axes: ax.grid(alpha=0.3)
+  axes[0].legend(**legend)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
 def loss_curves(runs:list[str], out:str, highlight:str|None=None):
-  """A curve per run; the `highlight` run (--reach's) in black, over the others."""
-  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for i, run in enumerate(runs):
-    m, label = metrics(run), os.path.basename(os.path.normpath(run))
+  """A curve per run, against tokens and seconds; the `highlight` run (--reach's) in black, over the others."""
+  def style(i:int, run:str) -> dict:
     shown = (dict(color="black", linewidth=2, zorder=3)
              if highlight and os.path.abspath(run) == os.path.abspath(highlight) else
              dict(color=plt.cm.tab20(i % 20)))  # the default cycle repeats after 10
-    by_tokens.plot([r["tokens"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
-    by_time.plot([r["seconds"] for r in m], [r["val_loss"] for r in m], label=label, **shown)
-  by_tokens.set(xlabel="tokens", ylabel="val loss (nats)")
-  by_time.set(xlabel="seconds (log scale: runs differ by orders of magnitude)", xscale="log")
-  for ax in (by_tokens, by_time): ax.grid(alpha=0.3)
-  by_tokens.legend()
-  fig.tight_layout()
-  fig.savefig(out, dpi=120)
+    return dict(label=os.path.basename(os.path.normpath(run)), **shown)
+  val_plots([(metrics(run), lambda r: r["tokens"], lambda r: r["seconds"], style(i, run))
+             for i, run in enumerate(runs)], dict(xlabel="tokens"),
+            dict(xlabel="seconds (log scale: runs differ by orders of magnitude)", xscale="log"), out)
 
 def reach_table(runs:list[str], target_run:str) -> str:
   """A markdown table: each run's final val loss and seconds, and the seconds and tokens of its first evaluation at or
@@ -69,17 +77,11 @@ def forwards(config:dict, r:dict) -> float:
 
 def best_curves(by:dict, out:str):
   """Each method's best run: val loss against seconds and against forwards."""
-  fig, (by_time, by_forwards) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items())):
-    shown = dict(label=f"{method} (lr {config['lr']:g})", color=plt.cm.tab10(i))
-    by_time.plot([r["seconds"] for r in evals], [r["val_loss"] for r in evals], **shown)
-    by_forwards.plot([forwards(config, r) for r in evals], [r["val_loss"] for r in evals], **shown)
-  by_time.set(xlabel="seconds (compiling included)", ylabel="val loss (nats)")
-  by_forwards.set(xlabel="network forwards (log scale)", xscale="log")
-  for ax in (by_time, by_forwards): ax.grid(alpha=0.3)
-  by_time.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  val_plots([(evals, lambda r: r["seconds"], lambda r, c=config: forwards(c, r),
+              dict(label=f"{method} (lr {config['lr']:g})", color=plt.cm.tab10(i)))
+             for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items()))],
+            dict(xlabel="seconds (compiling included)"), dict(xlabel="network forwards (log scale)", xscale="log"), out,
+            fontsize=8)
 
 def best_table(by:dict) -> str:
   """A markdown table: a row per method, its best lr (every lr tried, with its final val loss), and that run's val loss
@@ -127,10 +129,11 @@ if __name__ == "__main__":
     if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
       p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
     if args.best:
-      configs = {r: json.load(open(os.path.join(r, "config.json"))) for r in args.runs}
-      if unknown := [r for r, c in configs.items() if c.get("lr") is None or c.get("forwards_per_step") is None]:
+      by = best_runs(args.runs)
+      runs = [(r, c) for rs in by.values() for r, c, _ in rs]
+      if unknown := [r for r, c in runs if c.get("lr") is None or c.get("forwards_per_step") is None]:
         p.error(f"--best needs each run's --lr and its forwards a step in config.json, which {', '.join(unknown)} lack")
-      best_curves(by := best_runs(args.runs), args.out)
+      best_curves(by, args.out)
       print(best_table(by))
     else: loss_curves(args.runs, args.out, args.reach)
     if args.reach: print(reach_table(args.runs, args.reach))
