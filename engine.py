@@ -406,6 +406,11 @@ def compile_ahead(fn:Callable[[], Any], what:str) -> None:
   finally: AHEAD = None
   keep("zo_ahead", keys, zo_sources(), what)
 
+def squares(tensors:list[Tensor]) -> Tensor:
+  """[n]: each tensor's sum of squares in float32, each sum a kernel of its own: tinygrad fused the small preset's 46 sums into
+  one kernel slow to lower and compile (the check's), and on CUDA into the kernels that read their total (ConMeZO's |m|)."""
+  return Tensor.stack(*[t.float().square().sum().contiguous() for t in tensors])
+
 def backends() -> list[str]: return sorted(Device._devices)  # the backends tinygrad 0.14 knows (DEV's values), which it keeps private
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:

@@ -366,9 +366,7 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
   except (ValueError, KeyError, TypeError): return math.inf
 
 def squares(loss:Tensor, named:dict[str, Tensor]) -> Tensor:
-  # each sum realized on its own: tinygrad fused the small preset's 46 sums into one kernel that was slow to lower and
-  # compile, and bounded a cold first step (docs/performance.md)
-  return Tensor.stack(loss.float().reshape(()), *[t.float().square().sum().contiguous() for t in named.values()])
+  return Tensor.cat(loss.float().reshape(1), engine.squares(list(named.values()))).contiguous()
 
 def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
   """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built

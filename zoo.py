@@ -125,8 +125,7 @@ def conmezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, state:dict[str, Tens
 
 def conmezo_step(model, x:Tensor, y:Tensor, key:Tensor, m:dict[str, Tensor], pop:int, eps:float, angle:float,
                  beta:float):
-  # |m|, each parameter's sum a kernel of its own (fused, CUDA recomputed them inside the perturbations' kernels)
-  norm = Tensor.stack(*[t.square().sum().contiguous() for t in m.values()]).sum().sqrt()
+  norm = engine.squares(list(m.values())).sum().sqrt()  # |m|
   axis = (norm > 0).where(math.cos(angle) * math.sqrt(model.num_params()) / norm, 0.0)  # √D cos θ / |m|
   spread = (norm > 0).where(math.sin(angle), 1.0)
   Z = [{n: axis * m[n] + spread * u[n] for n in u} for u in gaussians(model, key, pop)]
