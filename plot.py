@@ -9,9 +9,9 @@
                                                                   seconds, and the seconds it took to reach the --reach
                                                                   run's final loss
   python plot.py docs/finetune/*-*/ --best --out docs/finetune/race.png
-                                                                  each method's run of lowest final val loss (of its
-                                                                  lrs; config.json's method), val loss against seconds
-                                                                  and against network forwards, and their table
+                                                                  each method's finished run of lowest final val loss
+                                                                  (of its lrs; config.json's method), val loss against
+                                                                  seconds and against network forwards, and their table
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
                                                                   a Dust update's seconds against the population, zo
                                                                   beside the PyTorch reference (bench.json from
@@ -64,12 +64,22 @@ def reach_table(runs:list[str], target_run:str) -> str:
   return "\n".join(rows)
 
 def best_runs(runs:list[str]) -> dict[str, list[tuple[str, dict, list[dict]]]]:
-  """method -> its runs as (folder, config, evaluations), the lowest final val loss first."""
+  """method -> its runs as (folder, config, evaluations), the best first: the finished run of lowest final val loss (the
+  fine-tuning race stops the lrs that lose early, docs/finetune), or with none finished the lowest at the end."""
   by = defaultdict(list)
   for run in runs:
     with open(os.path.join(run, "config.json")) as f: config = json.load(f)
     by[config["method"]].append((run, config, metrics(run)))
-  return {m: sorted(rs, key=lambda r: r[2][-1]["val_loss"]) for m, rs in by.items()}
+  return {m: sorted(rs, key=lambda r: (not finished(r[1], r[2]), r[2][-1]["val_loss"])) for m, rs in by.items()}
+
+def scheduled(config:dict) -> int:  # the steps of a run's schedule, as zo.py counts them
+  return config["steps"] or max(1, config["tokens"] // (config["batch"] * config["seq"]))
+
+def finished(config:dict, evals:list[dict]) -> bool:  # whether the run evaluated its last step (zo always does)
+  return evals[-1]["step"] + 1 == scheduled(config)
+
+def at(evals:list[dict], step:int) -> float:  # the val loss of the last evaluation at or before step
+  return next(r["val_loss"] for r in reversed(evals) if r["step"] <= step)
 
 def forwards(config:dict, r:dict) -> float:
   """The network forwards of steps 0..r's step, as the run's estimator declared a step's (evaluations not counted)."""
@@ -84,17 +94,20 @@ def best_curves(by:dict, out:str):
             fontsize=8)
 
 def best_table(by:dict) -> str:
-  """A markdown table: a row per method, its best lr (every lr tried, with its final val loss), and that run's val loss
-  after its first step, at the end and at its lowest, its seconds, steps and forwards; the best method first."""
-  rows = ["| method | lr (tried: final val) | val after step 0 | final val | lowest val (at seconds) | seconds | steps "
-          "| forwards |", "|---|---|---|---|---|---|---|---|"]
+  """A markdown table: a row per method, its best lr, every lr tried with its val loss at the last step that all of them
+  evaluated, and the best run's val loss after its first step, at the end and at its lowest, its seconds, steps (of its
+  schedule's, when stopped early) and forwards; the best method first."""
+  rows = ["| method | lr | lrs tried: val at step | val after step 0 | final val | lowest val (at seconds) | seconds | steps "
+          "| forwards |", "|---|---|---|---|---|---|---|---|---|"]
   for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
     _, config, v = rs[0]
-    tried = ", ".join(f"{c['lr']:g}: {e[-1]['val_loss']:.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    common = min(e[-1]["step"] for _, _, e in rs)
+    tried = ", ".join(f"{c['lr']:g}: {at(e, common):.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = min(v, key=lambda r: r["val_loss"])
-    rows.append(f"| {method} | {config['lr']:g} ({tried}) | {v[0]['val_loss']:.3f} | {v[-1]['val_loss']:.3f} | "
-                f"{low['val_loss']:.3f} ({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | {v[-1]['step'] + 1:,} | "
-                f"{forwards(config, v[-1]):,.0f} |")
+    steps = f"{v[-1]['step'] + 1:,}" + ("" if finished(config, v) else f" of {scheduled(config):,} (stopped)")
+    rows.append(f"| {method} | {config['lr']:g} | {tried} (step {common:,}) | {v[0]['val_loss']:.3f} | "
+                f"{v[-1]['val_loss']:.3f} | {low['val_loss']:.3f} ({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | "
+                f"{steps} | {forwards(config, v[-1]):,.0f} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):

@@ -459,20 +459,24 @@ def test_reach_table(tmp_path:Path):
   assert r.returncode == 2 and "Traceback" not in r.stderr and "no val loss in" in r.stderr and "none" in r.stderr, r.stderr[-2000:]
 
 def test_best_table(tmp_path:Path):
-  # the fine-tuning race's table: each method's row is its run of lowest FINAL val loss (not lowest along the way), listing every lr
-  # tried in increasing order, its lowest val and when, and its forwards (steps x the declared forwards a step); the best method first
+  # the fine-tuning race's table: each method's row is its FINISHED run of lowest final val loss (not lowest along the way; a run
+  # stopped before its last step loses to a finished one, as the race stops the losing lrs early), listing every lr tried in
+  # increasing order with its val at the last step all of them evaluated, the best run's lowest val and when, and its forwards
+  # (steps x the declared forwards a step); the best method first. A method with no finished run shows its best as stopped
   import plot
   runs = {"b-0.01": ("b", 0.01, 4, [(0, 5.0, 1.0), (5, 1.0, 5.0), (9, 2.0, 9.0)]),
-          "b-0.1": ("b", 0.1, 4, [(0, 5.0, 1.0), (4, 1.2, 5.0), (9, 1.5, 9.0)]), "a-1": ("a", 1.0, 3, [(0, 5.0, 1.0), (19, 1.8, 30.0)]),
+          "b-0.1": ("b", 0.1, 4, [(0, 5.0, 1.0), (4, 1.2, 5.0), (9, 1.5, 9.0)]),
+          "b-1": ("b", 1.0, 4, [(0, 5.0, 1.0), (5, 0.5, 3.0)]), "a-1": ("a", 1.0, 3, [(0, 5.0, 1.0), (8, 1.8, 30.0)]),
           "c": ("c", None, 3, [(0, 5.0, 1.0)])}
   for name, (method, lr, fps, evals) in runs.items():
     (tmp_path / name).mkdir()
-    (tmp_path / name / "config.json").write_text(json.dumps({"method": method, "lr": lr, "forwards_per_step": fps}))
+    (tmp_path / name / "config.json").write_text(json.dumps({"method": method, "lr": lr, "forwards_per_step": fps, "steps": None,
+                                                             "tokens": 100, "batch": 2, "seq": 5}))
     rows = [{"step": s, "tokens": 10 * (s + 1), "train_loss": 0.0, "seconds": t, "val_loss": v} for s, v, t in evals]
     (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   table = plot.best_table(plot.best_runs([str(tmp_path / n) for n in runs if n != "c"])).splitlines()
-  assert table[2:] == ["| b | 0.1 (0.01: 2.000, 0.1: 1.500) | 5.000 | 1.500 | 1.200 (5) | 9 | 10 | 40 |",
-                       "| a | 1 (1: 1.800) | 5.000 | 1.800 | 1.800 (30) | 30 | 20 | 60 |"], table
+  assert table[2:] == ["| b | 0.1 | 0.01: 1.000, 0.1: 1.200, 1: 0.500 (step 5) | 5.000 | 1.500 | 1.200 (5) | 9 | 10 | 40 |",
+                       "| a | 1 | 1: 1.800 (step 8) | 5.000 | 1.800 | 1.800 (30) | 30 | 9 of 10 (stopped) | 27 |"], table
   # a run without its lr (the method's default) is refused in one line that names it
   r = subprocess.run([sys.executable, "plot.py", str(tmp_path / "a-1"), str(tmp_path / "c"), "--best", "--out", str(tmp_path / "x.png")],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)
