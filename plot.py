@@ -17,7 +17,7 @@
                                                                   beside the PyTorch reference (bench.json from
                                                                   `tests/bench.py --json`)
 """
-import argparse, json, os
+import argparse, json, os, re
 from collections import defaultdict
 from typing import Callable
 import matplotlib
@@ -78,6 +78,13 @@ def scheduled(config:dict) -> int:  # the steps of a run's schedule, as zo.py co
 def finished(config:dict, evals:list[dict]) -> bool:  # whether the run evaluated its last step (zo always does)
   return evals[-1]["step"] + 1 == scheduled(config)
 
+def failed(run:str) -> bool:
+  """Whether the run's last part failed (a non-finite loss, a crash): docs/device_run.sh's log.txt ends with an exit
+  other than 0 (finished) or 130 (stopped)."""
+  if not os.path.exists(log := os.path.join(run, "log.txt")): return False
+  with open(log) as f: codes = re.findall(r": exit (\d+) after", f.read())
+  return bool(codes) and codes[-1] not in ("0", "130")
+
 def at(evals:list[dict], step:int) -> float:  # the val loss of the last evaluation at or before step
   return next(r["val_loss"] for r in reversed(evals) if r["step"] <= step)
 
@@ -95,14 +102,15 @@ def best_curves(by:dict, out:str):
 
 def best_table(by:dict) -> str:
   """A markdown table: a row per method, its best lr, every lr tried with its val loss at the last step that all of them
-  evaluated, and the best run's val loss after its first step, at the end and at its lowest, its seconds, steps (of its
-  schedule's, when stopped early) and forwards; the best method first."""
-  rows = ["| method | lr | lrs tried: val at step | val after step 0 | final val | lowest val (at seconds) | seconds | steps "
-          "| forwards |", "|---|---|---|---|---|---|---|---|---|"]
+  but the failed evaluated, and the best run's val loss after its first step, at the end and at its lowest, its seconds,
+  steps (of its schedule's, when stopped early) and forwards; the best method first."""
+  rows = ["| method | lr | lrs tried: val at step | val after step 0 | final val | lowest val (at seconds) | seconds "
+          "| steps | forwards |", "|---|---|---|---|---|---|---|---|---|"]
   for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
     _, config, v = rs[0]
-    common = min(e[-1]["step"] for _, _, e in rs)
-    tried = ", ".join(f"{c['lr']:g}: {at(e, common):.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    common = min((e[-1]["step"] for run, _, e in rs if not failed(run)), default=0)
+    tried = ", ".join(f"{c['lr']:g}: " + (f"failed at step {e[-1]['step']:,}" if failed(run) else
+                                          f"{at(e, common):.3f}") for run, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = min(v, key=lambda r: r["val_loss"])
     steps = f"{v[-1]['step'] + 1:,}" + ("" if finished(config, v) else f" of {scheduled(config):,} (stopped)")
     rows.append(f"| {method} | {config['lr']:g} | {tried} (step {common:,}) | {v[0]['val_loss']:.3f} | "

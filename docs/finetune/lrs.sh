@@ -3,29 +3,37 @@
 #   docs/finetune/lrs.sh NAME STEPS PROBE "LR1 LR2 LR3" FLAGS...     e.g. lrs.sh mezo 3000 60 "1e-4 3e-4 1e-3" --method mezo --pop 16
 # Each lr runs alone for PROBE seconds (run.sh NAME-LR with --steps STEPS, stopped with a checkpoint); the lr of lowest val
 # loss at the last step that every lr evaluated goes on, resumed, to its last step. The lr is constant until the warmdown, so
-# the probes are the first steps of the runs they would be. A probe that stopped on a non-finite loss loses. Run again after a
-# stop, it goes on from where it was. The winner's steps end within LIMIT (default 555) of this script's start.
+# the probes are the first steps of the runs they would be. A probe that failed (a non-finite loss: zo exits 2) loses. Run
+# again after a stop, it goes on from where it was: a probe that ended is not run again. All within LIMIT (default 555) of
+# this script's start; the pretraining first, if it isn't finished.
 set -u
 name=$1 steps=$2 probe=$3; read -ra lrs <<< "$4"; shift 4
 here=$(dirname "$0")
+[ -f /tmp/finetune/pretrain/done ] || "$here/run.sh" pretrain || exit
 for lr in "${lrs[@]}"; do
-  [ -f "/tmp/finetune/$name-$lr/model.safetensors" ] && continue
+  grep -qs ': exit [0-9]* after' "/tmp/finetune/$name-$lr/log.txt" && continue  # this probe ended
+  left=$(( ${LIMIT:-555} - SECONDS ))
+  [ "$left" -ge "$probe" ] || { echo "$name: $left s of LIMIT left, too few for a $probe s probe: run again"; exit 1; }
   LIMIT=$probe "$here/run.sh" "$name-$lr" "$@" --lr "$lr" --steps "$steps" > /dev/null
 done
 best=$(python3 - "$name" "${lrs[@]}" <<'EOF'
-import json, re, sys
+import json, os, re, sys
 name, *lrs = sys.argv[1:]
 fine = {}
-for lr in lrs:  # its last part's exit: 0 finished, 130 stopped by the LIMIT, else failed (a non-finite loss: zo exits 2)
+for lr in lrs:  # its last part's exit: 0 finished, 130 stopped by its LIMIT, else failed
   run = f"/tmp/finetune/{name}-{lr}"
-  with open(f"{run}/log.txt") as f: code = re.findall(r": exit (\d+) after", f.read())[-1]
+  if not os.path.exists(f"{run}/metrics.jsonl"): continue
+  with open(f"{run}/log.txt") as f: codes = re.findall(r": exit (\d+) after", f.read())
   with open(f"{run}/metrics.jsonl") as f: e = [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
-  if code in ("0", "130") and e: fine[lr] = e
+  if codes and codes[-1] in ("0", "130") and e: fine[lr] = e
+if not fine: sys.exit(f"{name}: no lr's probe ended well (see /tmp/finetune/{name}-*/log.txt)")
 common = min(e[-1][0] for e in fine.values())
 val = {lr: next(v for s, v in reversed(e) if s <= common) for lr, e in fine.items()}
-print(", ".join(f"{lr}: {v:.4f}" for lr, v in val.items()), f"at step {common}", file=sys.stderr)
+print(f"{name}: at step {common}:", ", ".join(f"lr {lr} val {v:.4f}" for lr, v in val.items()),
+      "(step 0: PROBE is too short to tell)" if common == 0 else "", file=sys.stderr)
 print(min(val, key=val.get))
 EOF
 ) || exit
+[ -f "/tmp/finetune/$name-$best/done" ] && { echo "$name: lr $best finished"; exit 0; }
 echo "$name: lr $best goes on"
 LIMIT=$(( ${LIMIT:-555} - SECONDS )) exec "$here/run.sh" "$name-$best" "$@" --lr "$best" --steps "$steps"
