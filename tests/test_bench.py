@@ -45,10 +45,11 @@ def test_kernel_times():
   # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is, in --profile's environment, on the NULL device
   # (which batches a JIT's kernels into a graph, as CUDA does): its two kernels (a sum, then an elementwise op on its result), each
   # named and counted once, not one graph; the total is their sum
-  sys.path.insert(0, str(ROOT / "tests"))
-  from bench import profiled
-  r = subprocess.run([sys.executable, "-c", KERNELS], cwd=ROOT, env={**os.environ, "DEV": "NULL", **profiled(5)}, capture_output=True,
-                     text=True, timeout=300)
+  # --profile's environment from bench.py in a process of its own: importing bench patches tinygrad's Buffer.allocate in its process
+  env = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'tests'); from bench import profiled; "
+                        "print(json.dumps(profiled(5)))"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+  r = subprocess.run([sys.executable, "-c", KERNELS], cwd=ROOT, env={**os.environ, "DEV": "NULL", **json.loads(env.stdout.splitlines()[-1])},
+                     capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   *kernels, (name, total, launches) = top = json.loads(r.stdout.splitlines()[-1])
   assert name == "(all kernels)" and launches == len(kernels) == 2 and all(n == 1 and k.startswith(("r_", "E_")) for k, _, n in kernels), top
