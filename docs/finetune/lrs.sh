@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One method of the fine-tuning race at its best of three lrs (docs/finetune/README.md), as the device runs it:
 #   docs/finetune/lrs.sh NAME STEPS PROBE "LR1 LR2 LR3" FLAGS...     e.g. lrs.sh mezo 3000 60 "1e-4 3e-4 1e-3" --method mezo --pop 16
-# Each lr runs alone for PROBE seconds (run.sh NAME-LR with --steps STEPS, stopped with a checkpoint); the lr of lowest val
+# Each lr runs alone for PROBE seconds (run.sh NAME-LR with --steps STEPS, stopped with a checkpoint), after one step of the
+# method has filled tinygrad's compile cache, so that no probe spends its time compiling for the others; the lr of lowest val
 # loss at the last step that every lr evaluated goes on, resumed, to its last step. The lr is constant until the warmdown, so
 # the probes are the first steps of the runs they would be. A probe that failed (a non-finite loss: zo exits 2) loses. Run
 # again after a stop, it goes on from where it was: a probe that ended is not run again. All within LIMIT (default 555) of
@@ -10,11 +11,14 @@ set -u
 name=$1 steps=$2 probe=$3; read -ra lrs <<< "$4"; shift 4
 here=$(dirname "$0")
 [ -f /tmp/finetune/pretrain/done ] || "$here/run.sh" pretrain || exit
+# one step first, kept out of $OUT, so that every probe finds the method's kernels in tinygrad's cache, not the first alone
+[ -f "/tmp/finetune/compile-$name/done" ] || OUT=/tmp/compiled LIMIT=$(( ${LIMIT:-555} - SECONDS )) "$here/run.sh" "compile-$name" "$@" --lr "${lrs[0]}" \
+  --steps 1 | tail -n 1
 for lr in "${lrs[@]}"; do
   grep -qs ': exit [0-9]* after' "/tmp/finetune/$name-$lr/log.txt" && continue  # this probe ended
   left=$(( ${LIMIT:-555} - SECONDS ))
   [ "$left" -ge "$probe" ] || { echo "$name: $left s of LIMIT left, too few for a $probe s probe: run again"; exit 1; }
-  LIMIT=$probe "$here/run.sh" "$name-$lr" "$@" --lr "$lr" --steps "$steps" > /dev/null
+  LIMIT=$probe "$here/run.sh" "$name-$lr" "$@" --lr "$lr" --steps "$steps" | tail -n 1  # its exit, steps and last line
 done
 best=$(python3 - "$name" "${lrs[@]}" <<'EOF'
 import json, os, re, sys
