@@ -20,9 +20,11 @@
 import argparse, json, os, re
 from collections import defaultdict
 from typing import Callable
-import matplotlib
-matplotlib.use("Agg")  # files only: no screen needed
-import matplotlib.pyplot as plt
+try:
+  import matplotlib
+  matplotlib.use("Agg")  # files only: no screen needed
+  import matplotlib.pyplot as plt
+except ImportError: plt = None  # the tables need only the standard library: docs/finetune/lrs.sh compares lrs on the device
 
 def metrics(run:str) -> list[dict]:
   with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
@@ -88,6 +90,13 @@ def failed(run:str) -> bool:
 def at(evals:list[dict], step:int) -> float:  # the val loss of the last evaluation at or before step
   return next(r["val_loss"] for r in reversed(evals) if r["step"] <= step)
 
+def compared(rs:list[tuple[str, dict, list[dict]]]) -> tuple[int, dict[str, float]]:
+  """How a method's lrs compare (the race's probes, docs/finetune/lrs.sh): the last step that all its runs but the failed
+  evaluated, and each of those runs' val loss there."""
+  fine = [(run, evals) for run, _, evals in rs if not failed(run)]
+  common = min((evals[-1]["step"] for _, evals in fine), default=0)
+  return common, {run: at(evals, common) for run, evals in fine}
+
 def forwards(config:dict, r:dict) -> float:
   """The network forwards of steps 0..r's step, as the run's estimator declared a step's (evaluations not counted)."""
   return (r["step"] + 1) * config["forwards_per_step"]
@@ -108,9 +117,9 @@ def best_table(by:dict) -> str:
           "| steps | forwards |", "|---|---|---|---|---|---|---|---|---|"]
   for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
     _, config, v = rs[0]
-    common = min((e[-1]["step"] for run, _, e in rs if not failed(run)), default=0)
-    tried = ", ".join(f"{c['lr']:g}: " + (f"failed at step {e[-1]['step']:,}" if failed(run) else
-                                          f"{at(e, common):.3f}") for run, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    common, val = compared(rs)
+    tried = ", ".join(f"{c['lr']:g}: " + (f"{val[run]:.3f}" if run in val else f"failed at step {e[-1]['step']:,}")
+                      for run, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = min(v, key=lambda r: r["val_loss"])
     steps = f"{v[-1]['step'] + 1:,}" + ("" if finished(config, v) else f" of {scheduled(config):,} (stopped)")
     rows.append(f"| {method} | {config['lr']:g} | {tried} (step {common:,}) | {v[0]['val_loss']:.3f} | "

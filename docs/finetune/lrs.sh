@@ -31,21 +31,18 @@ for lr in "${lrs[@]}"; do
   LIMIT=$probe "$here/run.sh" "$name-$lr" "$@" --lr "$lr" --steps "$steps" | tail -n 1  # its exit, steps and last line
 done
 best=$(python3 - "$name" "${lrs[@]}" <<'EOF'
-import json, os, re, sys
+import os, sys
+from plot import compared, failed, metrics  # plot.py --best's comparison, from this (the repository's) folder
 name, *lrs = sys.argv[1:]
-fine = {}
-for lr in lrs:  # its last part's exit: 0 finished, 130 stopped by its LIMIT, else failed
-  run = f"/tmp/finetune/{name}-{lr}"
-  if not os.path.exists(f"{run}/metrics.jsonl"): continue
-  with open(f"{run}/log.txt") as f: codes = re.findall(r": exit (\d+) after", f.read())
-  with open(f"{run}/metrics.jsonl") as f: e = [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
-  if codes and codes[-1] in ("0", "130") and e: fine[lr] = e
-if not fine: sys.exit(f"{name}: no lr's probe ended well (see /tmp/finetune/{name}-*/log.txt)")
-common = min(e[-1][0] for e in fine.values())
-val = {lr: next(v for s, v in reversed(e) if s <= common) for lr, e in fine.items()}
-print(f"{name}: at step {common}:", ", ".join(f"lr {lr} val {v:.4f}" for lr, v in val.items()),
+runs = {f"/tmp/finetune/{name}-{lr}": lr for lr in lrs}
+# a failed probe (zo exits 2 on a non-finite loss) loses, as one stopped before its first evaluation
+evals = {run: metrics(run) for run in runs if not failed(run) and os.path.exists(f"{run}/metrics.jsonl")}
+if not (rs := [(run, None, e) for run, e in evals.items() if e]):
+  sys.exit(f"{name}: no lr's probe ended well (see /tmp/finetune/{name}-*/log.txt)")
+common, val = compared(rs)
+print(f"{name}: at step {common}:", ", ".join(f"lr {runs[run]} val {v:.4f}" for run, v in val.items()),
       "(step 0: PROBE is too short to tell)" if common == 0 else "", file=sys.stderr)
-print(min(val, key=val.get))
+print(runs[min(val, key=val.get)])
 EOF
 ) || exit
 [ -f "/tmp/finetune/$name-$best/done" ] && { echo "$name: lr $best finished"; exit 0; }
