@@ -24,7 +24,7 @@ try:
   import matplotlib
   matplotlib.use("Agg")  # files only: no screen needed
   import matplotlib.pyplot as plt
-except ImportError: plt = None  # the tables need only the standard library: docs/finetune/lrs.sh compares lrs on the device
+except ImportError: plt = None  # the tables need only the standard library (docs/finetune/lrs.sh, on the device)
 
 def metrics(run:str) -> list[dict]:
   with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
@@ -91,8 +91,8 @@ def at(evals:list[dict], step:int) -> float:  # the val loss of the last evaluat
   return next(r["val_loss"] for r in reversed(evals) if r["step"] <= step)
 
 def compared(rs:list[tuple[str, dict, list[dict]]]) -> tuple[int, dict[str, float]]:
-  """How a method's lrs compare (the race's probes, docs/finetune/lrs.sh): the last step that all its runs but the failed
-  evaluated, and each of those runs' val loss there."""
+  """How a method's lrs compare (the race's probes, docs/finetune/lrs.sh): the last step that all its runs but the
+  failed evaluated, and each of those runs' val loss there."""
   fine = [(run, evals) for run, _, evals in rs if not failed(run)]
   common = min((evals[-1]["step"] for _, evals in fine), default=0)
   return common, {run: at(evals, common) for run, evals in fine}

@@ -32,14 +32,13 @@ for lr in "${lrs[@]}"; do
 done
 best=$(python3 - "$name" "${lrs[@]}" <<'EOF'
 import os, sys
-from plot import compared, failed, metrics  # plot.py --best's comparison, from this (the repository's) folder
+from plot import compared, metrics  # plot.py --best's comparison, from this (the repository's) folder
 name, *lrs = sys.argv[1:]
 runs = {f"/tmp/finetune/{name}-{lr}": lr for lr in lrs}
-# a failed probe (zo exits 2 on a non-finite loss) loses, as one stopped before its first evaluation
-evals = {run: metrics(run) for run in runs if not failed(run) and os.path.exists(f"{run}/metrics.jsonl")}
-if not (rs := [(run, None, e) for run, e in evals.items() if e]):
-  sys.exit(f"{name}: no lr's probe ended well (see /tmp/finetune/{name}-*/log.txt)")
+# a probe stopped before its first evaluation loses, and compared leaves out a failed one (zo exits 2 on a non-finite loss)
+rs = [(run, None, e) for run in runs if os.path.exists(f"{run}/metrics.jsonl") and (e := metrics(run))]
 common, val = compared(rs)
+if not val: sys.exit(f"{name}: no lr's probe ended well (see /tmp/finetune/{name}-*/log.txt)")
 print(f"{name}: at step {common}:", ", ".join(f"lr {runs[run]} val {v:.4f}" for run, v in val.items()),
       "(step 0: PROBE is too short to tell)" if common == 0 else "", file=sys.stderr)
 print(runs[min(val, key=val.get)])
