@@ -10,7 +10,8 @@
                                                      never rots); minutes on 2 CPU cores, nearly all of it compiling kernels
   DEV=CUDA python tests/bench.py --loops 4 16 64 256   only the looped model's table: every estimator at each loop count
   DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
-  DEV=CUDA python tests/bench.py --presets small --rows conmezo:16 --profile 12     the 12 kernels of most time in a step, per row
+  DEV=CUDA python tests/bench.py --presets small --rows conmezo:16 --profile 12     under the clean forward and each row: the 12 kernels
+                                                     of most time, then every kernel grouped by op with its share, rates and roofline
 
 A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no row
 inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them, after
@@ -22,7 +23,7 @@ clean forward is a TinyJit like every step, measured the same way. Under the bac
 batch (bf16, SGD), eager and under torch.compile, where torch is importable (tests/torch_ref.py). Before the rows, the noise's rate: the
 generator alone against a MeZO/ES update made dense from its keys and against the seed replay of its momentum (`noise_row`).
 """
-import argparse, collections, contextlib, gc, importlib.util, io, json, os, re, subprocess, sys, tempfile, time
+import argparse, collections, contextlib, gc, importlib.util, io, json, os, re, shutil, subprocess, sys, tempfile, time
 from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
@@ -81,8 +82,10 @@ def forward_row(model, x:Tensor, y:Tensor, n:int) -> dict:
   for _ in range(2): clean(x, y)
   peak = PEAK[0]
   for _ in range(2): gauss(x, y, k); signs(x, y, k)
-  return {"clean_s": timed(lambda: clean(x, y), 10 * n), "jittered_s": timed(lambda: gauss(x, y, k), 10 * n),
-          "rademacher_s": timed(lambda: signs(x, y, k), 10 * n), "peak": peak}
+  row = {"clean_s": timed(lambda: clean(x, y), 10 * n), "jittered_s": timed(lambda: gauss(x, y, k), 10 * n),
+         "rademacher_s": timed(lambda: signs(x, y, k), 10 * n), "peak": peak}
+  if int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(lambda: clean(x, y))
+  return row
 
 DIRECTIONS, WINDOW = 8, 64  # the noise row: an estimate of 8 directions, and a seed replay of 64 steps of them
 
@@ -122,18 +125,65 @@ def forwards(model, method:str, pop:int) -> float:
   entry = ESTIMATORS[method]
   return entry.forwards(entry.run(model, pop)) if entry.forwards else float("nan")
 
-def kernel_times(fn, top:int) -> list[tuple[str, float, int]]:
-  """The `top` kernels of most time in a call of fn, summed by name: (name, seconds, launches). tinygrad prints each kernel's time at
-  DEBUG=2, in a JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled())."""
-  out, times, counts = io.StringIO(), collections.Counter(), collections.Counter()
+RATE = {"G": 1e9, "T": 1e12}
+UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+def kernel_times(fn) -> list[tuple[str, float, int, float, float]]:
+  """Every kernel of a call of fn, summed by name, most time first: (name, seconds, launches, FLOPs, bytes). tinygrad prints each
+  kernel's time and its rates (of the FLOPs and bytes it estimates for the kernel; zo's CUDA kernels declare theirs) at DEBUG=2, in a
+  JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled())."""
+  out, rows = io.StringIO(), collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
   with contextlib.redirect_stdout(out), Context(DEBUG=2):
     fn()
     sync()  # a kernel's line is printed when it has run
   for line in re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines():
-    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/", line):
-      times[m[1]] += float(m[2]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m[3]]
-      counts[m[1]] += 1
-  return [(k, t, counts[k]) for k, t in times.most_common(top)] + [("(all kernels)", sum(times.values()), sum(counts.values()))]
+    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/.*?\(\s*([\d.]+) ([GT])FLOPS\s+([\d.]+)\|\S+\s+([GT])B/s", line):
+      t, r = float(m[2]) * UNIT[m[3]], rows[m[1]]
+      r[0] += t; r[1] += 1; r[2] += float(m[4]) * RATE[m[5]] * t; r[3] += float(m[6]) * RATE[m[7]] * t
+  return sorted(((k, *v) for k, v in rows.items()), key=lambda r: -r[1])
+
+# A kernel's op, by its name: zo's CUDA kernels are named by kernels/*.py (matmul's by M_N_K), tinygrad's own by their kind
+# (E_: elementwise, r_: a reduction); what the name doesn't tell is "other"
+OPS = ((r"^(?:wgmma|gemm)_(\d+)_(\d+)_(\d+)", lambda m: f"GEMM {m[1]}x{m[2]}x{m[3]}"),
+       (r"^grad_w_(\d+)_(\d+)_(\d+)", lambda m: f"GEMM dW {m[1]}x{m[2]}x{m[3]}"),
+       (r"^flash_delta", "attention draws (flash delta)"), (r"^flash_d", "attention gradient"), (r"^flash", "attention (flash)"),
+       (r"^qk_norm", "RoPE + QK-norm"), (r"^norm", "RMS norms"), (r"^loss", "loss (head's cross-entropy)"), (r"^jitter", "jitter"),
+       (r"^(?:embed|dot|sgd)", "embedding, mix, SGD"), (r"^E_", "elementwise (tinygrad)"), (r"^r_", "reductions (tinygrad)"),
+       (r"(?i)copy|xfer", "copies"))
+# a GPU's datasheet peaks: dense half-precision tensor-core FLOP/s and memory bytes/s, by the name the driver reports
+PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
+
+def op_of(name:str) -> str:
+  for pat, label in OPS:
+    if m := re.search(pat, name): return label(m) if callable(label) else label
+  return "other"
+
+def by_op(kernels:list[tuple[str, float, int, float, float]], peaks:tuple[float, float]|None) -> list[tuple]:
+  """The kernels grouped by op, most time first: (op, share of the kernels' time, seconds, launches, FLOP/s, bytes/s, and the fraction
+  of the roofline: the time the op's FLOPs and bytes need at the card's peaks (the larger of the two) over the time it took)."""
+  ops = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
+  for name, t, n, flops, nbytes in kernels:
+    o = ops[op_of(name)]
+    o[0] += t; o[1] += n; o[2] += flops; o[3] += nbytes
+  total = sum(o[0] for o in ops.values())
+  return sorted(((op, t / total, t, n, f / t, b / t, max(f / peaks[0], b / peaks[1]) / t if peaks else float("nan"))
+                 for op, (t, n, f, b) in ops.items() if t > 0), key=lambda r: -r[2])
+
+def gpu_peaks() -> tuple[float, float]|None:
+  """The card's peaks (PEAKS) where the driver names a card PEAKS knows."""
+  r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True) \
+    if shutil.which("nvidia-smi") else None
+  return next((v for k, v in PEAKS.items() if r and k in r.stdout), None)
+
+def print_profile(kernels:list, top:int, what:str):
+  """--profile's tables under a row: the `top` kernels of most time, then every kernel grouped by op."""
+  for k, t, n, *_ in kernels[:top]: print(f"  {t * 1e3:9.3f} ms {n:6d}x {k}", flush=True)
+  peaks = gpu_peaks()
+  print(f"  {what}, by op ({sum(k[1] for k in kernels) * 1e3:.3f} ms in {sum(k[2] for k in kernels)} kernels; roofline at "
+        + (f"{peaks[0] / 1e12:.0f} TFLOP/s and {peaks[1] / 1e12:.2f} TB/s" if peaks else "unknown peaks") + "):", flush=True)
+  print(f"  {'op':<32} {'share':>6} {'ms':>9} {'launches':>8} {'TFLOP/s':>8} {'GB/s':>7} {'roofline':>8}", flush=True)
+  for op, share, t, n, f, b, frac in by_op(kernels, peaks):
+    print(f"  {op:<32} {share:6.1%} {t * 1e3:9.3f} {n:8d} {f / 1e12:8.1f} {b / 1e9:7.0f} {frac:8.1%}", flush=True)
 
 def profiled(top:int) -> dict[str, str]:
   """The environment of --profile's rows: the number of kernels to print, and JITs without graphs (a graph is one launch)."""
@@ -164,7 +214,7 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   if method == "dust" and devices == 1:  # one more step for the split: it syncs the device around every group of chunks
     with ByKind() as by_kind: row["split_s"] = timed(run, 1)
     row["split"] = by_kind.times
-  if top := int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(run, top)
+  if int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(run)
   return row
 
 def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
@@ -226,6 +276,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
   print(f"clean forward {clean * 1e3:.3f} ms ({x.numel() / clean:,.0f} tok/s), peak {f['peak'] / 2**20:.1f} MiB | jittered "
         f"{f['jittered_s'] * 1e3:.3f} ms, ratio {clean / f['jittered_s']:.3f} | Rademacher jitter {f['rademacher_s'] * 1e3:.3f} ms, ratio "
         f"{clean / f['rademacher_s']:.3f}", flush=True)
+  if "kernels" in f: print_profile(f["kernels"], args.profile, "the clean forward")
   if not args.quick:  # on tinygrad's own kernels (kernels/cuda.py's off), and in PyTorch
     ours = run_row(preset, "forward", args.quick, kernels=False)
     print(f"tinygrad's own kernels: clean {ours['clean_s'] * 1e3:.3f} ms, ratio {ours['clean_s'] / ours['jittered_s']:.3f} | "
@@ -247,7 +298,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
             f"{row['peak'] / 2**20:9.1f} {row['peak'] / f['peak']:7.2f} {row['first_s']:8.1f}" + (f" {warm:7.1f}" if warm is not None else ""),
             flush=True)
       if name == "backprop" and not args.quick: print("  " + torch_backprop(model, x, y, clean), flush=True)
-      for k, t, n in row.get("kernels", []): print(f"  {t * 1e3:9.3f} ms {n:6d}x {k}", flush=True)
+      if "kernels" in row: print_profile(row["kernels"], args.profile, f"a step of {label} {pop}")
       if "split" in row:
         print(f"  by chunk kind, in a step of {row['split_s']:.3f} s with the syncs: " +
               ", ".join(f"{k} {v:.3f} s" for k, v in row["split"].items()), flush=True)
@@ -299,8 +350,8 @@ def main():
   p.add_argument("--default", action="store_true", help="only the default command's wall time against backprop's")
   p.add_argument("--loops", type=int, nargs="+", default=None, help="only the looped model's table, at these loop counts")
   p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust row on each of these device counts")
-  p.add_argument("--profile", type=int, default=0, metavar="N", help="under each row, the N kernels of most time in a step "
-                 "(the rows run without CUDA graphs, so their s/step is not the table's)")
+  p.add_argument("--profile", type=int, default=0, metavar="N", help="under the clean forward and each row, the N kernels of most "
+                 "time, then every kernel grouped by op (the rows run without CUDA graphs, so their times are not the table's)")
   p.add_argument("--json", default=None, help="also write the rows to this file (plot.py --bench draws from it)")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()

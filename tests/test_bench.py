@@ -33,24 +33,36 @@ KERNELS = """
 import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
-from bench import kernel_times
+from bench import by_op, kernel_times
 from tinygrad import Tensor, TinyJit
 a = Tensor(np.arange(1000, dtype=np.float32)).realize()
 step = TinyJit(lambda t: ((t.sum() + t).contiguous() * 2).realize())
 for _ in range(3): step(a)  # run, capture, replay
-print(json.dumps(kernel_times(lambda: step(a), 5)))
+print(json.dumps(kernel_times(lambda: step(a))))
+# made-up kernels grouped by op at peaks of 1 PFLOP/s and 1 TB/s: (name, seconds, launches, FLOPs, bytes)
+made_up = [("wgmma_131072_2048_512", 2e-3, 4, 1e12, 1e9), ("wgmma_131072_2048_512_x2", 2e-3, 4, 1e12, 1e9), ("E_4096_32_4", 1e-3, 10, 0, 1e9),
+           ("flash_64_2048_1024", 5e-3, 8, 5e11, 1e8), ("mystery", 0.0, 1, 0, 0)]
+print(json.dumps(by_op(made_up, (1e15, 1e12))))
 """
 
 def test_kernel_times():
   # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is, in --profile's environment, on the NULL device
   # (which batches a JIT's kernels into a graph, as CUDA does): its two kernels (a sum, then an elementwise op on its result), each
-  # named and counted once, not one graph; the total is their sum
+  # named and counted once, not one graph
   # --profile's environment from bench.py in a process of its own: importing bench patches tinygrad's Buffer.allocate in its process
   env = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'tests'); from bench import profiled; "
                         "print(json.dumps(profiled(5)))"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
   r = subprocess.run([sys.executable, "-c", KERNELS], cwd=ROOT, env={**os.environ, "DEV": "NULL", **json.loads(env.stdout.splitlines()[-1])},
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
-  *kernels, (name, total, launches) = top = json.loads(r.stdout.splitlines()[-1])
-  assert name == "(all kernels)" and launches == len(kernels) == 2 and all(n == 1 and k.startswith(("r_", "E_")) for k, _, n in kernels), top
-  assert abs(total - sum(t for _, t, _ in kernels)) < 1e-9, top
+  kernels, ops = (json.loads(line) for line in r.stdout.splitlines()[-2:])
+  assert len(kernels) == 2 and all(n == 1 and t > 0 and k.startswith(("r_", "E_")) for k, t, n, _, _ in kernels), kernels
+
+  # the grouping: kernels of one op summed (two GEMMs of one shape), each op's share of the total, its rates from the sums, and the
+  # roofline fraction as the larger of FLOPs / peak and bytes / peak over its time: a GEMM at half the FLOP peak is 50%, an elementwise
+  # kernel at the bandwidth 100%, flash at a tenth 10%; a kernel of no time is left out
+  rows = {op: rest for op, *rest in ops}
+  assert set(rows) == {"GEMM 131072x2048x512", "elementwise (tinygrad)", "attention (flash)"}, ops
+  share, t, n, flops, nbytes, frac = rows["GEMM 131072x2048x512"]
+  assert (round(share, 12), t, n) == (0.4, 4e-3, 8) and abs(flops - 5e14) < 1 and abs(nbytes - 5e11) < 1 and abs(frac - 0.5) < 1e-12, ops
+  assert abs(rows["elementwise (tinygrad)"][5] - 1.0) < 1e-12 and abs(rows["attention (flash)"][5] - 0.1) < 1e-12, ops
