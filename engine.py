@@ -207,8 +207,11 @@ class Jit(_TinyJit):
     if any(isinstance(a, (list, tuple, dict)) for a in args) or names != [i for i, a in enumerate(args) if isinstance(a, Tensor)]: return None
     if lazy := [t for t in ts if not t.uop.is_realized]: Tensor.realize(*lazy)
     for t, (view, vs, dtype, device) in zip(ts, info):
-      u = t.uop  # a buffer, which the capture recorded as NOOP, or a reshape of one, recorded as NOOP under the same reshape
+      u = t.uop  # a buffer, which the capture recorded as NOOP, or a reshape of one, recorded as NOOP under the same reshape, or as
+      # NOOP alone where the capture saw the whole buffer (tinygrad's preparation drops a reshape of a NOOP: the same memory, as the
+      # JIT's key has fixed the shape): the errors and records that Dust's chunks take reshaped
       if u.op is Ops.RESHAPE and view.op is Ops.RESHAPE and view.src[1] is u.src[1]: u, view = u.src[0], view.src[0]
+      while u.op is Ops.RESHAPE and view.op is Ops.NOOP: u = u.src[0]
       if not (u.op is Ops.BUFFER and view.op is Ops.NOOP and vs == () and t.dtype == dtype and t.device == device): return None
     bufs = [t.uop.base for t in ts]
     return bufs if len(set(bufs)) == len(bufs) else None

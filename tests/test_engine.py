@@ -153,17 +153,18 @@ def test_jits_share_one_arena():
 def _shifted(x:Tensor, y:Tensor, s:Tensor, at) -> Tensor: return ((x - y) * s + Tensor(at).float()).contiguous()
 
 def test_jit_replays_whole_inputs(monkeypatch):
-  """A replay whose inputs are whole buffers (realized, or arrays not yet copied in) skips tinygrad's preparation of them, and still
-  reads each input from its own buffer, with the bound variable's value; a view, a new shape or a repeated input goes through
-  tinygrad's, which refuses them."""
+  """A replay whose inputs are whole buffers (realized, arrays not yet copied in, or reshapes of a realized buffer, as Dust's chunks
+  take their records) skips tinygrad's preparation of them, and still reads each input from its own buffer, with the bound variable's
+  value; a view, a new shape or a repeated input goes through tinygrad's, which refuses them."""
   from tinygrad.engine import jit as tinyjit
   prepared, prepare = [], tinyjit._prepare_jit_inputs
   monkeypatch.setattr(tinyjit, "_prepare_jit_inputs", lambda *a: prepared.append(1) or prepare(*a))
   AT, rng = Variable("at", 0, 9), np.random.default_rng(0)
   f = engine.Jit(_shifted)
-  for i in range(4):
+  def flat(a:np.ndarray) -> Tensor: return Tensor(a.reshape(-1)).realize().reshape(2, -1).reshape(a.shape)  # a reshape of a reshape
+  for i in range(6):
     a, b, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 8), (4, 8), (8,)))
-    xs = (Tensor(a), Tensor(b), Tensor(s)) if i % 2 else (Tensor(a).realize(), Tensor(b).realize(), Tensor(s).realize())
+    xs = [(Tensor(a), Tensor(b), Tensor(s)), (Tensor(a).realize(), Tensor(b).realize(), Tensor(s).realize()), (flat(a), flat(b), Tensor(s))][i % 3]
     np.testing.assert_allclose(f(*xs, AT.bind(i)).numpy(), (a - b) * s + i, rtol=1e-6)
   assert len(prepared) == 1  # the capture's
   x, big = Tensor(a).realize(), Tensor(np.concatenate([b, b])).realize()
