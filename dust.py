@@ -311,7 +311,9 @@ def head_errors(work:list[Worker], rc:Recipe, head:str) -> Tensor:
   w0 = work[0]
   if head == "exact": return engine.jit(head_exact, w0.model)(w0.rec["lm_head"], w0.y)
   (B, T, V), S = w0.rec["lm_head"].shape, slabs(w0.model)
-  (E,) = sum_draws(head_chunk, [(w.model, w.key, (clean_head(w.model, w.rec["lm_head"], w.y), w.y)) for w in work],
+  def clean(w:Worker) -> dict[str, Tensor]:  # the raw logits as slabs, and the sums every draw reuses (a JIT of its own)
+    return engine.jit(clean_head, w.model)(w.rec["lm_head"], w.y) | {"z": w.rec["lm_head"].reshape(B, T, S, V // S)}
+  (E,) = sum_draws(head_chunk, [(w.model, w.key, (clean(w), w.y)) for w in work],
                    path=(GROUPS.index("head"), 0), chunks=rc.head // rc.per_chunk, run=S,
                    tokens=S * rc.per_chunk * B * T,
                    shapes=[(B, T, S, V // S)], ints={"K": rc.head // S}, sigma=rc.sigma["head"], per_chunk=rc.per_chunk,
@@ -321,17 +323,14 @@ def head_errors(work:list[Worker], rc:Recipe, head:str) -> Tensor:
 def slabs(model) -> int: return model.cfg.vocab // 256 if model.cfg.vocab % 256 == 0 else 1  # else one, all the vocab
 
 def clean_head(model, z:Tensor, y:Tensor) -> dict[str, Tensor]:
-  """The clean raw logits z as [B, T, S, W] slabs, and what every draw reuses: the softcapped logits' exp-sum per slab,
-  the target's logit and the loss ℓ⁰."""
-  z = z.float()
+  """What every draw on the clean raw logits z reuses: the softcapped logits' exp-sum per slab, the target's logit and
+  the loss ℓ⁰."""
   B, T, V = z.shape
   S = slabs(model)
-  c, hit = softcap(z, model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
+  c, hit = softcap(z.float(), model.cfg.softcap), (y.unsqueeze(-1) == Tensor.arange(V)).float()
   slab_sum = exp_sum(c.reshape(B, T, S, V // S))  # |c| <= cap, so exp needs no max-subtraction
   c_y = (c * hit).sum(-1)
-  clean = {"z": z.reshape(B, T, S, V // S), "slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
-  Tensor.realize(*clean.values())
-  return clean
+  return {"slab_sum": slab_sum, "c_y": c_y, "loss0": slab_sum.sum(-1).log() - c_y}
 
 def head_chunk(model, keys:Tensor, clean:dict[str, Tensor], y:Tensor, K:Tensor, sigma:float, per_chunk:int,
                noise:str) -> list[Tensor]:
@@ -342,7 +341,7 @@ def head_chunk(model, keys:Tensor, clean:dict[str, Tensor], y:Tensor, K:Tensor, 
   def slab(m:int) -> Tensor:
     # materialized: three reductions read it
     a = NOISES[noise](keys[:, m], (per_chunk, B, T, W)).reshape(-1, B, T, W).contiguous()
-    c2 = softcap(clean["z"][:, :, m] + sigma * a, model.cfg.softcap).contiguous()
+    c2 = softcap(clean["z"][:, :, m].float() + sigma * a, model.cfg.softcap).contiguous()
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
     reward = clean["loss0"] - ((slab_sum.sum(-1) - slab_sum[:, :, m] + exp_sum(c2)).log() - target)
