@@ -411,6 +411,13 @@ def squares(tensors:list[Tensor]) -> Tensor:
   one kernel slow to lower and compile (the check's), and on CUDA into the kernels that read their total (ConMeZO's |m|)."""
   return Tensor.stack(*[t.float().square().sum().contiguous() for t in tensors])
 
+def no_gradient(loss:Tensor, params:dict[str, Tensor]) -> list[str]:
+  """The names of the parameters that loss has no gradient for: no path of ops with a gradient joins them to it (a
+  comparison passes none, `where` none to its condition). tinygrad 0.14's Tensor.gradient returns such a parameter's as
+  a constant zero, which is how they are told from a gradient that is computed; the gradients are only built: nothing
+  runs."""
+  return [n for n, g in zip(params, loss.gradient(*params.values())) if g.uop.base.op is Ops.CONST]
+
 def backends() -> list[str]: return sorted(Device._devices)  # the backends tinygrad 0.14 knows (DEV's values), which it keeps private
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
