@@ -20,7 +20,7 @@ import itertools
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, key as root_key
-from kernels.perturb import Population, combine
+from kernels.perturb import Population, combine, unit
 from devices import shares, spread
 from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator, size
 import dust, engine  # noqa: F401  dust.py registers Dust
@@ -81,7 +81,9 @@ def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:floa
   drifts. A model that takes no population gets one direction (c = 1) as plain tensors, θ + s·scale·E_k."""
   keys, c = fold(key, k), k.shape[0]
   def loss(sign:int) -> Tensor:
-    params = {n: Population(p, fold(keys, i), sign * scale, rank) for i, (n, p) in enumerate(model.params.items())}
+    # the sign as data: the two signs' forwards share their compiled kernels
+    signed = scale * unit(sign, x.device)
+    params = {n: Population(p, fold(keys, i), signed, rank) for i, (n, p) in enumerate(model.params.items())}
     if not getattr(model, "population", False):
       weights = {n: w.dense(dtypes.float32)[0] for n, w in params.items()}  # θ + s·scale·E_k
       return model.losses(x, y, params=weights).mean().reshape(1).realize()

@@ -9,11 +9,13 @@ its weight costs about 1/tokens of its matmul, which then runs on the dense GEMM
 never forms W_m, but its thin matmuls and the extra pass over every layer's output made a rank-1 ES step at pop 256 2.4x (small
 preset) and 3.1x (dust preset) slower on the H200 (docs/performance.md); it pays where members have a few tokens each, not here.
 """
-import math
+import functools, math
+import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 from kernels.matmul import linear
 from kernels.noise import fold, gaussian
+import engine
 
 def direction(keys:Tensor, shape:tuple[int, ...], rank:int) -> Tensor|tuple[Tensor, Tensor]:
   """E_j for each key j: Z_j [N, *shape], or the factors (A [N, out, r], B [N, in, r]) of a matrix when rank > 0."""
@@ -35,14 +37,22 @@ def combine(keys:Tensor, coef:Tensor, shape:tuple[int, ...], rank:int) -> Tensor
   n, r = a.shape[0], a.shape[2]
   return ((a * coef.reshape(n, 1, 1)).permute(1, 0, 2).reshape(shape[0], n * r) @ b.permute(1, 0, 2).reshape(shape[1], n * r).T) / math.sqrt(r)
 
+@functools.cache
+def unit(sign:int, device:str) -> Tensor:
+  """The sign ±1 as data, a realized float32 scalar: as a constant, each sign compiled kernels of its own."""
+  return engine.tensor(np.array(sign, np.float32), device)
+
 class Population:
-  def __init__(self, w:Tensor, keys:Tensor, c:float, rank:int=0):
+  def __init__(self, w:Tensor, keys:Tensor, c:float|Tensor, rank:int=0):
     self.w, self.c, self.M = w, c, keys.shape[0]
     e = direction(keys, w.shape, rank)
     self.e = e if isinstance(e, Tensor) else e[0] @ e[1].transpose(-1, -2) / math.sqrt(rank)  # E_m [M, *shape], formed
 
-  def dense(self, dtype:DType) -> Tensor:  # every member's full weight [M, *shape], materialized once per forward
-    return (self.w + self.c * self.e).cast(dtype).contiguous()
+  def dense(self, dtype:DType) -> Tensor:
+    """Every member's full weight [M, *shape], materialized once per forward: as [M, numel], so that weights of one size
+    (the MLP's [4d, d] and [d, 4d]) share one compiled kernel."""
+    M = self.M
+    return (self.w.reshape(-1) + self.c * self.e.reshape(M, -1)).cast(dtype).contiguous().reshape(M, *self.w.shape)
 
   def linear(self, x:Tensor, dtype:DType, act:str|None=None) -> Tensor:  # act(x) @ W_m^T, member by member along the rows
     return linear(x, self.dense(dtype), act)
