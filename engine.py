@@ -427,6 +427,13 @@ def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
   t.uop.buffer.ensure_allocated()
   return t
 
+@functools.cache
+def scalar(v:int|float, dtype:type[np.generic], device:str) -> Tensor:
+  """v as data: a realized scalar on the device, made once, for kernels to read. A Python number in tensor code is compiled
+  into each kernel as a constant, so kernels that differ only by it (a parameter's index in its noise's key, the sign of a
+  perturbation) each compile their own; reading it, they are one kernel."""
+  return tensor(np.array(v, dtype), device)
+
 def tensor(a:np.ndarray, device:str|None=None) -> Tensor:
   """A realized tensor of a small array, written by the device's copy-in: Tensor(a).realize() schedules and runs a copy program at
   every call, 0.94 ms of host time on a 2-core CPU against 0.12 ms so (MeZO and ES upload a key at every step)."""

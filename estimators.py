@@ -18,9 +18,10 @@ plain functions of tensors, they read as the math.
 from __future__ import annotations
 import itertools
 from dataclasses import dataclass
+import numpy as np
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, key as root_key
-from kernels.perturb import Population, combine, unit
+from kernels.perturb import Population, combine
 from devices import shares, spread
 from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator, size
 import dust, engine  # noqa: F401  dust.py registers Dust
@@ -82,7 +83,7 @@ def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:floa
   keys, c = fold(key, k), k.shape[0]
   def loss(sign:int) -> Tensor:
     # the sign as data: the two signs' forwards share their compiled kernels
-    signed = scale * unit(sign, x.device)
+    signed = scale * engine.scalar(sign, np.float32, x.device)
     params = {n: Population(p, fold(keys, i), signed, rank) for i, (n, p) in enumerate(model.params.items())}
     if not getattr(model, "population", False):
       weights = {n: w.dense(dtypes.float32)[0] for n, w in params.items()}  # θ + s·scale·E_k

@@ -22,17 +22,12 @@ def key(seed:int) -> Tensor:
 def _k64(key:Tensor) -> Tensor: return (key[..., 1].cast(dtypes.uint64) << 32) | key[..., 0].cast(dtypes.uint64)
 def _words(x:Tensor) -> Tensor: return Tensor.stack(x.cast(dtypes.uint32), (x >> 32).cast(dtypes.uint32), dim=-1)
 
-@functools.cache
-def counter(d:int, device:str) -> Tensor:
-  """The integer d as data: a realized uint32 scalar on the device. A constant is compiled into its kernel, so each
-  parameter's (each site's) noise had kernels of its own; as data, the noises of one shape share theirs."""
-  return engine.tensor(np.array(d, np.uint32), device)
-
 def fold(key:Tensor, *data:int|Tensor) -> Tensor:
   """Child key of `key` for each integer in `data`, applied in turn: fold(k, step, member) is a key per (step, member).
-  A tensor of ints gives a batch of keys: fold(k, Tensor.arange(n)) has shape (n, 2)."""
+  A tensor of ints gives a batch of keys: fold(k, Tensor.arange(n)) has shape (n, 2). An int is data of the kernels, not
+  a constant of them, so that the noises of one shape (every parameter's, every site's) share their compiled kernels."""
   for d in data:
-    ctr = (d if isinstance(d, Tensor) else counter(d, key.device)).cast(dtypes.uint64) | (1 << 32)
+    ctr = (d if isinstance(d, Tensor) else engine.scalar(d, np.uint32, key.device)).cast(dtypes.uint64) | (1 << 32)
     k = _k64(key)
     key = _words(ctr.reshape(ctr.shape + (1,)*k.ndim).expand(ctr.shape + k.shape).threefry(k.expand(ctr.shape + k.shape)))
   return key

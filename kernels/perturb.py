@@ -9,13 +9,11 @@ its weight costs about 1/tokens of its matmul, which then runs on the dense GEMM
 never forms W_m, but its thin matmuls and the extra pass over every layer's output made a rank-1 ES step at pop 256 2.4x (small
 preset) and 3.1x (dust preset) slower on the H200 (docs/performance.md); it pays where members have a few tokens each, not here.
 """
-import functools, math
-import numpy as np
+import math
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 from kernels.matmul import linear
 from kernels.noise import fold, gaussian
-import engine
 
 def direction(keys:Tensor, shape:tuple[int, ...], rank:int) -> Tensor|tuple[Tensor, Tensor]:
   """E_j for each key j: Z_j [N, *shape], or the factors (A [N, out, r], B [N, in, r]) of a matrix when rank > 0."""
@@ -36,11 +34,6 @@ def combine(keys:Tensor, coef:Tensor, shape:tuple[int, ...], rank:int) -> Tensor
   a, b = e
   n, r = a.shape[0], a.shape[2]
   return ((a * coef.reshape(n, 1, 1)).permute(1, 0, 2).reshape(shape[0], n * r) @ b.permute(1, 0, 2).reshape(shape[1], n * r).T) / math.sqrt(r)
-
-@functools.cache
-def unit(sign:int, device:str) -> Tensor:
-  """The sign ±1 as data, a realized float32 scalar: as a constant, each sign compiled kernels of its own."""
-  return engine.tensor(np.array(sign, np.float32), device)
 
 class Population:
   def __init__(self, w:Tensor, keys:Tensor, c:float|Tensor, rank:int=0):
