@@ -12,7 +12,6 @@ from typing import Iterable
 from dataclasses import dataclass, replace
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.dtype import DType
 from kernels.attention import attention
 from kernels.embed import embedding
 from kernels.loss import cross_entropy, softcap
@@ -297,7 +296,7 @@ class Looped(GPT):
 def vocab_of(vocab:int|None) -> dict[str, int]: return {"vocab": vocab} if vocab else {}  # --vocab, where given
 
 def preset(name:str):
-  def make(vocab:int|None, seed:int, dtype:DType) -> GPT:
+  def make(vocab:int|None, seed:int, dtype) -> GPT:
     return GPT(GPTConfig.preset(name, **vocab_of(vocab)), seed, dtype)
   make.__doc__ = f"The GPT's {name} preset."
   registry.model(name)(make)
@@ -305,6 +304,6 @@ def preset(name:str):
 for _name in ("tiny", "small", "dust"): preset(_name)
 
 @registry.model("looped")
-def looped(vocab:int|None, seed:int, dtype:DType, loops:int|None=None) -> Looped:
+def looped(vocab:int|None, seed:int, dtype, loops:int|None=None) -> Looped:
   """The looped RNN's tiny preset, its loop count --loops."""
   return Looped(LoopedConfig.preset("tiny", **vocab_of(vocab), **({"loops": loops} if loops else {})), seed, dtype)

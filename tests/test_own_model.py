@@ -2,8 +2,9 @@
 zo.py's command line (zo.main), nothing of zo's edited. Every training run must lower its validation loss, the refusals must be
 one line that names what the model lacks, and the binary GPT's backprop gradient must be zero at c_fc and nonzero elsewhere.
 
-Cost: the runs are the page's, sized to seconds (one block 16 wide, 2x16 tokens a step; the counter a few hundred floats; Dust
-the tiny preset at 4x16 tokens). The binary GPT's mezo and es runs share their population forward (16 members a call)."""
+Cost (docs/performance.md has each test's cold seconds): the runs are the page's, sized to seconds (one block 16 wide, 2x16 tokens
+a step; the counter 130 floats; Dust one tiny block at 4x16 tokens). The binary GPT's mezo and es runs share their population
+forward (16 members a call)."""
 import json, re, shlex, signal
 from pathlib import Path
 from types import SimpleNamespace
