@@ -71,9 +71,26 @@ def run_recipe(run:Run) -> Recipe:
     flags = " ".join(f"--{n.replace('_', '-')} {o[n]}" for n in ("direct_scale", "qkv_scale") if o[n] != 1)
     raise ValueError(f"{flags}: {e}") from None
 
+def lacks(model) -> str|None:
+  """What Dust needs of a model beyond what every estimator does (registry.py), in words; None where it has it: the
+  sites of model.GPT (its capture and its losses(jitter=..., cache=...); a subclass keeps them), and every parameter the
+  weight at a site, or a residual-mix scalar (a parameter at no site would get no estimate)."""
+  if not all(hasattr(model, a) for a in ("capture", "rerun_stream", "n_pblocks")):
+    return ("sites, the layer outputs that Dust jitters: a model of its own has none; a subclass of model.GPT keeps "
+            "GPT's")
+  at_sites = {*SCALARS, "transformer.wte.weight", "lm_head.weight"} | {
+    f"{site}.weight" for l in range(model.n_pblocks)
+    for site in (*[error_site(kind, l) for kind in local_kinds(model, l)],
+                 *[f"transformer.h.{l}.{s}" for s in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")])}
+  if missing := sorted(at_sites - model.params.keys()):
+    return f"weight at Dust's site {missing[0].removesuffix('.weight')}"
+  if extra := [n for n in model.params if n not in at_sites]: return f"site for its parameter {extra[0]}"
+  return None
+
 def check(run:Run):
-  """The run's recipe exists, and the kernels can number every group's chunks (engine.START numbers a call's first
-  chunk)."""
+  """The model has Dust's sites, the run's recipe exists, and the kernels can number every group's chunks (engine.START
+  numbers a call's first chunk)."""
+  if what := lacks(run.model): raise ValueError(f"dust can't train {type(run.model).__name__}: it has no {what}")
   rc, tokens, S = run_recipe(run), run.tokens // run.steps, slabs(run.model)  # a step's tokens
   groups = [(c // rc.per_chunk, rc.per_chunk * tokens, 1) for c in rc.counts()]
   if run.options["head"] == "slabs": groups.append((rc.head // rc.per_chunk, S * rc.per_chunk * tokens, S))

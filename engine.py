@@ -414,6 +414,13 @@ def squares(tensors:list[Tensor]) -> Tensor:
   one kernel slow to lower and compile (the check's), and on CUDA into the kernels that read their total (ConMeZO's |m|)."""
   return Tensor.stack(*[t.float().square().sum().contiguous() for t in tensors])
 
+def no_gradient(loss:Tensor, params:dict[str, Tensor]) -> list[str]:
+  """The names of the parameters that loss has no gradient for: no path of ops with a gradient joins them to it (a
+  comparison passes none, `where` none to its condition). tinygrad 0.14's Tensor.gradient returns such a parameter's as
+  a constant zero, which is how they are told from a gradient that is computed; the gradients are only built: nothing
+  runs."""
+  return [n for n, g in zip(params, loss.gradient(*params.values())) if g.uop.base.op is Ops.CONST]
+
 def backends() -> list[str]: return sorted(Device._devices)  # the backends tinygrad 0.14 knows (DEV's values), which it keeps private
 
 def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
@@ -422,6 +429,13 @@ def empty(*shape:int, dtype=dtypes.float32, device:str|None=None) -> Tensor:
   t = Tensor.empty(*shape, dtype=dtype, device=device)
   t.uop.buffer.ensure_allocated()
   return t
+
+@functools.cache
+def scalar(v:int|float, dtype:type[np.generic], device:str) -> Tensor:
+  """v as data: a realized scalar on the device, made once, for kernels to read. A Python number in tensor code is compiled
+  into each kernel as a constant, so kernels that differ only by it (a parameter's index in its noise's key, the sign of a
+  perturbation) each compile their own; reading it, they are one kernel."""
+  return tensor(np.array(v, dtype), device)
 
 def tensor(a:np.ndarray, device:str|None=None) -> Tensor:
   """A realized tensor of a small array, written by the device's copy-in: Tensor(a).realize() schedules and runs a copy program at

@@ -18,11 +18,12 @@ plain functions of tensors, they read as the math.
 from __future__ import annotations
 import itertools
 from dataclasses import dataclass
-from tinygrad import Tensor
+import numpy as np
+from tinygrad import Tensor, dtypes
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import shares, spread
-from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator
+from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator, size
 import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
@@ -67,9 +68,9 @@ def population_losses(model, x:Tensor, y:Tensor, key:Tensor, n:int, scale:float,
   """[n, len(signs)]: the mean loss L(θ + s·scale·E_k) for directions k = 0..n−1 (E_k from fold(key, k)) and each sign
   s. Direction k depends on k alone, so the losses are the same however the directions are split into forwards and over
   devices."""
-  # directions ks on one device, as many a forward as fit TOKENS
+  # directions ks on one device, as many a forward as fit TOKENS; one, where the model takes no population (registry.py)
   def on_device(m, ks:range, x:Tensor, y:Tensor, key:Tensor) -> Tensor:
-    c = engine.per_call(len(ks), x.numel(), TOKENS)
+    c = engine.per_call(len(ks), x.numel(), TOKENS) if getattr(m, "population", False) else 1
     return engine.stack(perturbed_losses, m, x, y, key, items=ks, per_call=c, shape=(len(signs),), scale=scale,
                         rank=rank, signs=signs)
   return spread(model, devices, n, on_device, x, y, key)
@@ -78,10 +79,15 @@ def perturbed_losses(model, k:Tensor, x:Tensor, y:Tensor, key:Tensor, scale:floa
                      signs:tuple[int, ...]) -> Tensor:
   """[c, len(signs)] for the c directions k: their members on the batch axis, one forward per sign, each realized apart
   (so the memory planner gives the next sign's forward this one's buffers). θ itself is never touched, so nothing
-  drifts."""
+  drifts. A model that takes no population gets one direction (c = 1) as plain tensors, θ + s·scale·E_k."""
   keys, c = fold(key, k), k.shape[0]
   def loss(sign:int) -> Tensor:
-    params = {n: Population(p, fold(keys, i), sign * scale, rank) for i, (n, p) in enumerate(model.params.items())}
+    # the sign as data: the two signs' forwards share their compiled kernels
+    signed = scale * engine.scalar(sign, np.float32, x.device)
+    params = {n: Population(p, fold(keys, i), signed, rank) for i, (n, p) in enumerate(model.params.items())}
+    if not getattr(model, "population", False):
+      weights = {n: w.dense(dtypes.float32)[0] for n, w in params.items()}  # θ + s·scale·E_k
+      return model.losses(x, y, params=weights).mean().reshape(1).realize()
     return model.losses(x.repeat(c, 1), y.repeat(c, 1), params=params).reshape(c, -1).mean(1).realize()
   return Tensor.stack(*[loss(s) for s in signs], dim=1)
 
@@ -158,13 +164,24 @@ def flat_squares(loss:Tensor, buf:Tensor) -> Tensor:
 
 def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
   loss, grads = gradient(model, x, y)
-  buf = Tensor.empty(model.num_params(), device=x.device)
+  buf = Tensor.empty(size(model), device=x.device)
   # each written into its part
   Tensor.realize(*[part.assign(t) for part, t in zip(Flat(buf).dense(model.params).values(), grads)])
   return buf, loss, flat_squares(loss, buf)  # the check's sums here: a JIT of their own cost its host time every step
 
+def differentiable(run:Run):
+  """backprop's check: the loss has a gradient for every parameter. tinygrad's autograd gives a parameter joined to the
+  loss only through ops without one (a comparison: sign, a step, argmax) a gradient of zeros, and says nothing."""
+  model, x = run.model, Tensor.zeros(1, 2, dtype=dtypes.int32)  # any batch: which gradients exist is the graph's
+  if none := engine.no_gradient(model.losses(x, x).sum(), model.params):
+    more = f" and {len(none) - 1} more" if len(none) > 1 else ""
+    raise ValueError(f"backprop can't train {type(model).__name__}: its loss has no gradient for {none[0]}{more}, "
+                     "whose every path to it passes an op without one (a comparison: sign, a step, argmax); mezo and "
+                     "es train it")
+
 # the release's baseline: under SGD wte's lr is 1000 (it feeds an RMSNorm, so its gradient is tiny)
-@estimator("backprop", keyed=False, forwards=lambda run: 3,  # a forward, and a backward of twice its work
+@estimator("backprop", keyed=False, check=differentiable,
+           forwards=lambda run: 3,  # a forward, and a backward of twice its work
            defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
   """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is

@@ -21,6 +21,7 @@ from kernels.jitter import jitter
 from kernels.noise import fold
 from kernels.perturb import per_member
 from kernels.norm import norm, qk_norm, rms
+import registry
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -123,6 +124,9 @@ class Pass:
     return self.site(name, activate(x, act), linear(xc, w, act, self.noise(name)), jittered=True)
 
 class GPT:
+  # losses() evaluates a population of perturbed weights in one forward (registry.py): a weight may be a Population
+  population = True
+
   def __init__(self, cfg:GPTConfig, seed:int=0, dtype=dtypes.float32):
     self.cfg, self.dtype = cfg, dtype
     d, V, L = cfg.n_embd, cfg.vocab, self.n_pblocks
@@ -225,11 +229,16 @@ class GPT:
       y = self.attn(p, i, pre, norm(h, self.dtype), idx)
     else: h, y = resume
     proj = p.linear(f"{pre}.attn.c_proj", p.site(f"o@{self.pblock(i)}", None, y))
-    # rms(h + proj), the sum read once on NVIDIA GPUs (kernels/norm.py)
-    hid = p.linear(f"{pre}.mlp.c_fc", norm(h, self.dtype, proj))
-    # left lazy: the next block's residual mix reads it once, and computes it in its own kernel instead of reading it
-    # back from memory
-    return h + proj.float() + p.linear(f"{pre}.mlp.c_proj", hid, "relu2").float()
+    # the MLP reads rms(h + proj), the sum read once on NVIDIA GPUs (kernels/norm.py). The block's output is left lazy:
+    # the next block's residual mix reads it once, and computes it in its own kernel instead of reading it back from
+    # memory
+    return h + proj.float() + self.mlp(p, pre, norm(h, self.dtype, proj)).float()
+
+  def mlp(self, p:Pass, pre:str, x:Tensor) -> Tensor:
+    """The MLP of block `pre` on its normed input: c_proj(relu(c_fc(x))²), the square read by c_proj's matmul as it
+    loads its input (kernels/matmul.py). A subclass's own MLP keeps Dust's sites where it calls p.linear on the same
+    names."""
+    return p.linear(f"{pre}.mlp.c_proj", p.linear(f"{pre}.mlp.c_fc", x), "relu2")
 
   def attn(self, p:Pass, i:int, pre:str, n:Tensor, idx:Tensor) -> Tensor:
     B, T, d = n.shape
@@ -281,3 +290,20 @@ class Looped(GPT):
     saved, self.loops = self.loops, loops or self.loops
     try: return super().losses(idx, targets, jitter, cache, params)
     finally: self.loops = saved
+
+# ***** the presets, each a --model (registry.py) *****
+
+def vocab_of(vocab:int|None) -> dict[str, int]: return {"vocab": vocab} if vocab else {}  # --vocab, where given
+
+def preset(name:str):
+  def make(vocab:int|None, seed:int, dtype) -> GPT:
+    return GPT(GPTConfig.preset(name, **vocab_of(vocab)), seed, dtype)
+  make.__doc__ = f"The GPT's {name} preset."
+  registry.model(name)(make)
+
+for _name in ("tiny", "small", "dust"): preset(_name)
+
+@registry.model("looped")
+def looped(vocab:int|None, seed:int, dtype, loops:int|None=None) -> Looped:
+  """The looped RNN's tiny preset, its loop count --loops."""
+  return Looped(LoopedConfig.preset("tiny", **vocab_of(vocab), **({"loops": loops} if loops else {})), seed, dtype)

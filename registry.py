@@ -1,5 +1,5 @@
-"""The estimator contract: everything the command line, the training loop and the optimizer know of an estimator is what
-it declares here, where it is defined.
+"""The contracts: everything the command line, the training loop and the optimizer know of an estimator, or of a model,
+is what it declares here, where it is defined.
 
   @estimator("mezo", eps=Option("the perturbation scale ε", check=POSITIVE))
   def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3) -> tuple[Compact, Tensor]: ...
@@ -20,13 +20,36 @@ doesn't take is refused. Besides its options, it may name any of the run's value
 
 It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer,
 or a function of the Run that gives one), `check(run)`, which raises ValueError for a run it can't do, before
-anything is written, and `forwards(run)`, the network forwards a step's arithmetic needs (what tests/bench.py and the
-fine-tuning race count a step's cost in).
+anything is written (a model it can't train among them: Dust's needs sites, backprop a gradient), and `forwards(run)`,
+the network forwards a step's arithmetic needs (what tests/bench.py and the fine-tuning race count a step's cost in).
+
+  @model("tiny")
+  def tiny(vocab:int|None, seed:int, dtype:DType) -> GPT: ...
+
+A model is what a function registered with @model returns (`--model NAME`), its keyword arguments declared as Options
+its flags, as an estimator's are. The function may name the run's values vocab (--vocab; None: the model's own), seed
+(--seed), dtype (the compute dtype: float32 on the CPU, half on a GPU, for a model that computes in it) and loops
+(--loops). What every estimator needs of the model it returns (`lacks` checks it when the model is made;
+docs/model.md):
+
+  params     a dict[str, Tensor] of float32 tensors, realized: the parameters by name, which the optimizer updates in
+             place
+  losses(x, y, params=None) -> Tensor
+             the per-token losses [B, T] (float32) of int32 token ids x and targets y [B, T], under `params` (a dict
+             like model.params) or, for None, model.params. Any function of the parameters: MeZO and ES need no
+             gradient of it
+  cfg        its vocab (cfg.vocab) and context (cfg.seq_len)
+
+A model whose losses() also takes a population, each params value a kernels.perturb.Population and member m the batch
+rows [mB, (m+1)B), says so with `population = True` (model.GPT does): MeZO and ES then evaluate many members in one
+forward instead of one a forward. Dust needs the sites of model.GPT (a subclass keeps them; dust.py's `lacks`), and
+backprop a gradient for every parameter (estimators.py's `undifferentiable`).
 """
 from __future__ import annotations
 import functools, inspect, math
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from tinygrad import Tensor, dtypes
 
 RUN_VALUES = ("step", "steps", "tokens", "optimizer", "devices", "state")
 
@@ -68,18 +91,31 @@ class Run:
   options:dict[str, Any]  # the method's options, as the run gives them
 
 @dataclass(frozen=True)
-class Entry:
+class Declared:
+  """A function registered with its options: an estimator (Entry) or a model (ModelEntry)."""
   name:str
   fn:Callable
   options:dict[str, Option]
+
+  @functools.cached_property  # read at every step, by the loop
+  def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
+  def default(self, option:str) -> Any: return inspect.signature(self.fn).parameters[option].default
+
+def declare(kind:str, name:str, fn:Callable, options:dict[str, Option], values:tuple[str, ...]):
+  """Refuse an option that is no keyword argument of fn with a default, or that is one of the run's values."""
+  params = inspect.signature(fn).parameters
+  for o in options:
+    if o not in params or params[o].default is inspect.Parameter.empty:
+      raise TypeError(f"{kind} {name}: option {o!r} must be a keyword argument of {fn.__name__} with a default")
+    if o in values: raise TypeError(f"{kind} {name}: {o!r} is a run value, not an option")
+
+@dataclass(frozen=True)
+class Entry(Declared):
   defaults:dict[str, Defaults]|Callable[[Run], Defaults]
   check:Callable[[Run], None]|None
   keyed:bool  # False: fn draws no noise, and gets no key
   forwards:Callable[[Run], float]|None  # the forwards a step's arithmetic needs; None: not declared
 
-  @functools.cached_property  # read at every step, by the loop
-  def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
-  def default(self, option:str) -> Any: return inspect.signature(self.fn).parameters[option].default
   def defaults_for(self, run:Run) -> Defaults:
     return self.defaults(run) if callable(self.defaults) else self.defaults[run.optimizer]
   def run(self, model, pop:int, optimizer:str="sgd", tokens:int=10**6, steps:int=1, devices:int=1, **options) -> Run:
@@ -96,11 +132,42 @@ def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults
   """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's
   defaults, a check of the run and the forwards a step needs."""
   def register(fn:Callable) -> Callable:
-    params = inspect.signature(fn).parameters
-    for o in options:
-      if o not in params or params[o].default is inspect.Parameter.empty:
-        raise TypeError(f"estimator {name}: option {o!r} must be a keyword argument of {fn.__name__} with a default")
-      if o in RUN_VALUES: raise TypeError(f"estimator {name}: {o!r} is a run value, not an option")
+    declare("estimator", name, fn, options, RUN_VALUES)
     ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards)
     return fn
   return register
+
+# ***** models *****
+
+MODEL_VALUES = ("vocab", "seed", "dtype", "loops")
+
+class ModelEntry(Declared):
+  def make(self, **values) -> Any:
+    """The model, of the run's values that fn names and its options (given, or fn's defaults)."""
+    return self.fn(**{k: v for k, v in values.items() if k in self.takes})
+
+MODELS:dict[str, ModelEntry] = {}
+
+def model(name:str, **options:Option) -> Callable[[Callable], Callable]:
+  """Register fn as `--model name`, with its options (each a keyword argument of fn with a default, a flag)."""
+  def register(fn:Callable) -> Callable:
+    declare("model", name, fn, options, MODEL_VALUES)
+    MODELS[name] = ModelEntry(name, fn, options)
+    return fn
+  return register
+
+def size(net) -> int: return sum(p.numel() for p in net.params.values())  # D, a model's number of parameters
+
+def lacks(net) -> str|None:
+  """What of every estimator's contract (the docstring above) a model lacks, in words; None where it has it all."""
+  params = getattr(net, "params", None)
+  if not isinstance(params, dict) or not params: return "params, a dict of its parameters by name"
+  if bad := next((n for n, p in params.items() if not isinstance(p, Tensor) or p.dtype != dtypes.float32), None):
+    what = getattr(params[bad], "dtype", type(params[bad]).__name__)
+    return f"float32 tensors in params: params[{bad!r}] is a {what}"
+  if "params" not in inspect.signature(getattr(net, "losses", lambda: None)).parameters:
+    return "losses(x, y, params=None), the per-token losses under given parameters"
+  cfg = getattr(net, "cfg", None)
+  if not all(isinstance(getattr(cfg, a, None), int) for a in ("vocab", "seq_len")):
+    return "cfg.vocab and cfg.seq_len, its vocabulary and context"
+  return None

@@ -19,8 +19,9 @@ from data import BPE, Bytes
 from devices import names
 from estimators import Compact, Flat, estimate, run  # estimators.py registers MeZO, ES, backprop and (dust.py) Dust
 from optim import Optimizer, learning_rates
-from registry import ESTIMATORS, Entry, Run
+from registry import ESTIMATORS, MODELS, Declared, Entry, Run, lacks, size
 import engine, kernels
+import model as models  # noqa: F401  model.py registers the presets as --model
 
 # ***** training: checkpoints, evaluation, the loop *****
 
@@ -111,12 +112,19 @@ def compute_dtype():
   return dtypes.float32 if Device.DEFAULT == "CPU" else dtypes.half
 
 def make_model(args):
-  from model import GPT, GPTConfig, Looped, LoopedConfig
-  over = {"vocab": args.vocab} if args.vocab else {}
-  if args.model == "looped":
-    model = Looped(LoopedConfig.preset("tiny", **over, **({"loops": args.loops} if args.loops else {})), args.seed,
-                   compute_dtype())
-  else: model = GPT(GPTConfig.preset(args.model, **over), args.seed, compute_dtype())
+  """--model's model, made of the run's values it names and its options (registry.py); one that lacks what every
+  estimator needs is refused in one line."""
+  if args.model not in MODELS:  # a run's config.json names a model of a --plugin not given
+    raise UsageError(f"--model {args.model}: no such model here ({', '.join(MODELS)}); a model of your own comes with "
+                     "its --plugin")
+  entry = MODELS[args.model]
+  try:
+    model = entry.make(vocab=args.vocab, seed=args.seed, dtype=compute_dtype(), loops=args.loops,
+                       **{o: getattr(args, o, entry.default(o)) for o in entry.options})
+  except AssertionError as e:  # a size the model can't take (GPT's head width must be even)
+    raise UsageError(f"--model {args.model}: {e}") from None
+  if what := lacks(model):
+    raise UsageError(f"--model {args.model}: its {type(model).__name__} has no {what} (docs/model.md)")
   args.seq = args.seq or model.cfg.seq_len
   return model
 
@@ -177,9 +185,8 @@ def check_memory(args, model):
   logits (a width and the vocab), each a matmul's output, in the compute dtype. The peak is higher (the estimators batch
   several draws a forward): --batch 100000 at the tiny preset held 9 GB in its first step on the CPU. The sizes an
   estimator's kernels can't index are its own check's."""
-  B, T = args.batch, args.seq
-  need, have = (B * T * max(5 * model.cfg.n_embd, model.cfg.n_embd + model.cfg.vocab) * compute_dtype().itemsize,
-                device_memory())
+  B, T, d = args.batch, args.seq, getattr(model.cfg, "n_embd", 0)  # a model of one's own may have no width: its logits
+  need, have = B * T * max(5 * d, d + model.cfg.vocab) * compute_dtype().itemsize, device_memory()
   if have and need > have:
     raise UsageError(f"--batch {B} --seq {T}: a step needs at least {need / 2**30:,.1f} GiB, this machine has "
                      f"{have / 2**30:,.1f} GiB: --batch {max(1, B * have // need):,} may fit")
@@ -279,7 +286,7 @@ def train(args):
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
   print(path)  # which kernels run here
-  print(f"{what} on {type(model).__name__} ({model.num_params():,} params), {data.name}, {steps} steps of "
+  print(f"{what} on {type(model).__name__} ({size(model):,} params), {data.name}, {steps} steps of "
         f"{args.batch}x{args.seq} tokens" +
         (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second one quits at once
@@ -497,8 +504,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
                  help="gradient estimator (estimators.py); backprop is the reference baseline")
   p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: the draws of a step (the method's "
                  "directions, members or recipe's population); several values only with --cosine")
-  p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"),
-                 help="default: tiny on the CPU, small on a GPU")
+  p.add_argument("--model", default=None, choices=tuple(MODELS), help="default: tiny on the CPU, small on a GPU; "
+                 "a model of your own comes with its --plugin (docs/model.md)")
   p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (default: the "
                  "preset's; on the CPU with --data synthetic, 32)")
   p.add_argument("--loops", type=int, default=None, help="loop count of the looped model (training depth)")
@@ -541,8 +548,8 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--top-k", type=int, default=None,
                  help="--sample: draw from the k likeliest tokens only; None: from all")
   p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE", help="a file or module of your "
-                 "own estimators, imported before the flags are read, so that its methods and their flags are there "
-                 "(docs/estimator.md)")
+                 "own estimators or models, imported before the flags are read, so that its methods, models and their "
+                 "flags are there (docs/estimator.md, docs/model.md)")
   option_flags(p)
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
@@ -550,44 +557,57 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
     # one line
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{typed(flag)} {value}: must be {need}\n")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  return method_options(p, args)
+  return chosen_options(p, args)
+
+DECLARED = {"method": ESTIMATORS, "model": MODELS}  # what declares options, by the flag that chooses it
 
 def option_flags(p:argparse.ArgumentParser):
-  """A flag for every option of every estimator, in a group per method (--help). An option that several methods declare
-  is one flag, in the first one's group. No default here: the method's own fills in a flag not given, and a given flag
-  the method doesn't take is refused (method_options)."""
-  declared:dict[str, list[Entry]] = {}
-  for e in ESTIMATORS.values():
-    for o in e.options: declared.setdefault(o, []).append(e)
+  """A flag for every option of every estimator and every model, in a group per method, and per model that has options
+  (--help). An option that several methods (or several models) declare is one flag, in the first one's group; a model's
+  options are its own. No default here: the method's (the model's) own fills in a flag not given, and a given flag it
+  doesn't take is refused (chosen_options)."""
+  declared:dict[str, list[tuple[str, Declared]]] = {}
   groups = {}
-  for name, e in ESTIMATORS.items():
-    doc = " ".join((e.fn.__doc__ or "").split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
-    takes = ", ".join(f"--{typed(o)}" for o in e.options) or "no options"
-    groups[name] = p.add_argument_group(f"--method {name}", f"{doc}. Takes {takes}.")
+  for kind, entries in DECLARED.items():
+    for name, e in entries.items():
+      for o in e.options: declared.setdefault(o, []).append((kind, e))
+      if kind == "method" or e.options:
+        doc = " ".join((e.fn.__doc__ or "").split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
+        takes = ", ".join(f"--{typed(o)}" for o in e.options) or "no options"
+        groups[kind, name] = p.add_argument_group(f"--{kind} {name}", f"{doc}. Takes {takes}.")
   for o, es in declared.items():
-    first, opt = es[0], es[0].options[o]
-    helps = [f"{e.name}: {e.options[o].help} (default: {e.default(o)})" for e in es]
-    groups[first.name].add_argument(f"--{typed(o)}", dest=o, type=type(first.default(o)), choices=opt.choices,
-                                    default=argparse.SUPPRESS,
-                                    help="; ".join(helps))
+    (kind, first), opt = es[0], es[0][1].options[o]
+    if len({k for k, _ in es}) > 1:  # by a method and a model
+      p.error(f"--{typed(o)} is declared by {' and '.join(f'--{k} {e.name}' for k, e in es)}: a model's options are "
+              "its own, so name it otherwise")
+    helps = [f"{e.name}: {e.options[o].help} (default: {e.default(o)})" for _, e in es]
+    try:
+      groups[kind, first.name].add_argument(f"--{typed(o)}", dest=o, type=type(first.default(o)), choices=opt.choices,
+                                            default=argparse.SUPPRESS, help="; ".join(helps))
+    except argparse.ArgumentError:
+      p.error(f"--{kind} {first.name} declares the option --{typed(o)}, a flag of zo's own: name it otherwise")
 
-def method_options(p:argparse.ArgumentParser, args:argparse.Namespace) -> argparse.Namespace:
-  """args with the method's options (given, or the method's defaults) and no other method's; a flag the method doesn't
-  take is refused in one line, with what it takes."""
-  entry = ESTIMATORS[args.method]
-  declared = {o for e in ESTIMATORS.values() for o in e.options}
-  for o in sorted(declared & vars(args).keys() - entry.options.keys()):
-    takes = ", ".join(f"--{typed(t)}" for t in entry.options) or "no options"
-    p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: --method {args.method} does not take --{typed(o)} "
-           f"(it takes {takes})\n")
-  for o, opt in entry.options.items():
-    if o not in args: setattr(args, o, entry.default(o))
-    elif opt.check and not opt.check[0](getattr(args, o)):
-      p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: must be {opt.check[1]}\n")
+def chosen_options(p:argparse.ArgumentParser, args:argparse.Namespace) -> argparse.Namespace:
+  """args with the options of the method and of the model (given, or their defaults) and no other's; a flag the method
+  or the model doesn't take is refused in one line, with what it takes. No --model: the device's preset, which takes
+  none."""
+  for kind, entries in DECLARED.items():
+    name = getattr(args, kind)
+    options = entries[name].options if name else {}
+    declared = {o for e in entries.values() for o in e.options}
+    for o in sorted(declared & vars(args).keys() - options.keys()):
+      takes = ", ".join(f"--{typed(t)}" for t in options) or "no options"
+      which = f"--{kind} {name}" if name else f"the default {kind}"
+      p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: {which} does not take --{typed(o)} (it takes {takes})\n")
+    for o, opt in options.items():
+      if o not in args: setattr(args, o, entries[name].default(o))
+      elif opt.check and not opt.check[0](getattr(args, o)):
+        p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: must be {opt.check[1]}\n")
   return args
 
 def plugins(argv:list[str]|None) -> None:
-  """Import each --plugin before the parser is made: its @estimator declarations add methods and flags."""
+  """Import each --plugin before the parser is made: its @estimator and @model declarations add methods, models and
+  flags."""
   pre = argparse.ArgumentParser(add_help=False)
   pre.add_argument("--plugin", action="append", default=[])
   for spec in pre.parse_known_args(argv)[0].plugin:

@@ -17,7 +17,7 @@ import math
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, gaussian
 from estimators import spsa
-from registry import POSITIVE, Option, estimator
+from registry import POSITIVE, Option, estimator, size
 import engine
 
 def kept(state:dict[str, Tensor], name:str, like:Tensor, fill:float) -> Tensor:
@@ -126,7 +126,7 @@ def conmezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, state:dict[str, Tens
 def conmezo_step(model, x:Tensor, y:Tensor, key:Tensor, m:dict[str, Tensor], pop:int, eps:float, angle:float,
                  beta:float):
   norm = engine.squares(list(m.values())).sum().sqrt()  # |m|
-  axis = (norm > 0).where(math.cos(angle) * math.sqrt(model.num_params()) / norm, 0.0)  # √D cos θ / |m|
+  axis = (norm > 0).where(math.cos(angle) * math.sqrt(size(model)) / norm, 0.0)  # √D cos θ / |m|
   spread = (norm > 0).where(math.sin(angle), 1.0)
   Z = [{n: axis * m[n] + spread * u[n] for n in u} for u in gaussians(model, key, pop)]
   coef, loss = spsa(losses_along(model, x, y, Z, eps), eps)

@@ -24,9 +24,10 @@ def _words(x:Tensor) -> Tensor: return Tensor.stack(x.cast(dtypes.uint32), (x >>
 
 def fold(key:Tensor, *data:int|Tensor) -> Tensor:
   """Child key of `key` for each integer in `data`, applied in turn: fold(k, step, member) is a key per (step, member).
-  A tensor of ints gives a batch of keys: fold(k, Tensor.arange(n)) has shape (n, 2)."""
+  A tensor of ints gives a batch of keys: fold(k, Tensor.arange(n)) has shape (n, 2). An int is data of the kernels, not
+  a constant of them, so that the noises of one shape (every parameter's, every site's) share their compiled kernels."""
   for d in data:
-    ctr = (d if isinstance(d, Tensor) else Tensor(d)).cast(dtypes.uint64) | (1 << 32)
+    ctr = (d if isinstance(d, Tensor) else engine.scalar(d, np.uint32, key.device)).cast(dtypes.uint64) | (1 << 32)
     k = _k64(key)
     key = _words(ctr.reshape(ctr.shape + (1,)*k.ndim).expand(ctr.shape + k.shape).threefry(k.expand(ctr.shape + k.shape)))
   return key

@@ -36,13 +36,16 @@ def combine(keys:Tensor, coef:Tensor, shape:tuple[int, ...], rank:int) -> Tensor
   return ((a * coef.reshape(n, 1, 1)).permute(1, 0, 2).reshape(shape[0], n * r) @ b.permute(1, 0, 2).reshape(shape[1], n * r).T) / math.sqrt(r)
 
 class Population:
-  def __init__(self, w:Tensor, keys:Tensor, c:float, rank:int=0):
+  def __init__(self, w:Tensor, keys:Tensor, c:float|Tensor, rank:int=0):
     self.w, self.c, self.M = w, c, keys.shape[0]
     e = direction(keys, w.shape, rank)
     self.e = e if isinstance(e, Tensor) else e[0] @ e[1].transpose(-1, -2) / math.sqrt(rank)  # E_m [M, *shape], formed
 
-  def dense(self, dtype:DType) -> Tensor:  # every member's full weight [M, *shape], materialized once per forward
-    return (self.w + self.c * self.e).cast(dtype).contiguous()
+  def dense(self, dtype:DType) -> Tensor:
+    """Every member's full weight [M, *shape], materialized once per forward: as [M, numel], so that weights of one size
+    (the MLP's [4d, d] and [d, 4d]) share one compiled kernel."""
+    M = self.M
+    return (self.w.reshape(-1) + self.c * self.e.reshape(M, -1)).cast(dtype).contiguous().reshape(M, *self.w.shape)
 
   def linear(self, x:Tensor, dtype:DType, act:str|None=None) -> Tensor:  # act(x) @ W_m^T, member by member along the rows
     return linear(x, self.dense(dtype), act)
