@@ -329,6 +329,7 @@ def train(args):
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
                       tok_s=f"{args.batch * args.seq / dt:,.0f}", draws_s=f"{args.pop / dt:,.0f}")
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
+      if step == start: engine.freeze_compiled()  # what compiling left, out of the garbage collector's walks
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
         save(args.out, model, opt, step + 1, state)
         saved[0] = step + 1
