@@ -18,11 +18,13 @@ plain functions of tensors, they read as the math.
 from __future__ import annotations
 import itertools
 from dataclasses import dataclass
+from typing import Any
+import numpy as np
 from tinygrad import Tensor
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import shares, spread
-from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator
+from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Entry, Option, Run, estimator
 import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
@@ -194,6 +196,25 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   copies = {n: t.clone() for n, t in g.items()}
   Tensor.realize(*copies.values())
   return copies
+
+# ***** what the loop passes to an estimator at a step *****
+
+def step_key(seed:int, step:int) -> int: return (seed << 32) | step  # the key words are (step, seed)
+
+# the state, for an estimator that keeps one
+def carried(entry:Entry, state:dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+  return {"state": state} if "state" in entry.takes else {}
+
+def values(entry:Entry, job:Run) -> dict[str, Any]:
+  """What the loop passes to the estimator at every step: its options, and the run's values that it names
+  (registry.py)."""
+  given = {"steps": job.steps, "tokens": job.tokens, "optimizer": job.optimizer, "devices": job.devices}
+  return job.options | {k: v for k, v in given.items() if k in entry.takes}
+
+def at_step(entry:Entry, step:int) -> dict[str, Tensor]:
+  """The step, for an estimator that names it: a float32 scalar in a buffer of its own, so that a schedule computed from
+  it is data of the kernels, not a constant compiled into them."""
+  return {"step": engine.tensor(np.array(step, np.float32))} if "step" in entry.takes else {}
 
 # zoo.py registers HiZOO, LOZO, ConMeZO and ZO-Muon (it imports spsa from here, so it comes last)
 import zoo  # noqa: E402, F401

@@ -41,28 +41,28 @@ zo.main(sys.argv[3:])
 """
 STALL = """
 import os, sys, time
-import zo
-save, at = zo.save_file, sys.argv[1]
+import rundir, zo
+save, at = rundir.save_file, sys.argv[1]
 def stalled(tensors, fn, *args, **kwargs):
   save(tensors, fn, *args, **kwargs)
   if (kwargs.get("metadata") or (args[0] if args else {})).get("step") == at:
     open(os.path.join(os.path.dirname(fn), "stalled"), "w").close()
     time.sleep(600)
-zo.save_file = stalled
+rundir.save_file = stalled
 zo.main(sys.argv[2:])
 """
 
 # once the test has made OUT/slow, a save waits 3 s after writing its temp file, while the test signals again (OUT/saving says when)
 SLOW_SAVE = """
 import os, sys, time
-import zo
-save = zo.save_file
+import rundir, zo
+save = rundir.save_file
 def slow(tensors, fn, *args, **kwargs):
   save(tensors, fn, *args, **kwargs)
   if os.path.exists(os.path.join(os.path.dirname(fn), "slow")):
     open(os.path.join(os.path.dirname(fn), "saving"), "w").close()
     time.sleep(3)
-zo.save_file = slow
+rundir.save_file = slow
 zo.main(sys.argv[1:])
 """
 
@@ -300,16 +300,16 @@ NO_CLANG = """
 import os, sys
 import numpy as np
 from tinygrad import dtypes
-import optim, zo
+import optim, rundir
 from model import Looped, LoopedConfig
 def make(seed):
   m = Looped(LoopedConfig.preset("tiny", vocab=4, n_embd=8, n_head=1, loops=1), seed, dtypes.float32)
   return m, optim.Optimizer(m.params, {n: 0.1 for n in m.params}, "sgd", 0.9, 4)
 (a, opt_a), (b, opt_b) = make(0), make(1)
-zo.save(sys.argv[1], a, opt_a, 7)
+rundir.save(sys.argv[1], a, opt_a, 7)
 mask = os.umask(0)
 assert os.stat(os.path.join(sys.argv[1], "model.safetensors")).st_mode & 0o777 == 0o666 & ~mask  # as any file the user writes
-assert zo.resume(sys.argv[1], b, opt_b) == 7
+assert rundir.resume(sys.argv[1], b, opt_b) == 7
 assert all(np.array_equal(a.params[n].numpy(), b.params[n].numpy()) for n in a.params)
 """
 

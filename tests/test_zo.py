@@ -17,7 +17,7 @@ from kernels.perturb import Population, combine
 from model import GPT, GPTConfig, Looped, LoopedConfig
 import data
 import tinygrad.engine.realize
-import engine, estimators, optim, zo
+import cosine, engine, estimators, optim, zo
 
 CFG = GPTConfig(vocab=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
 B, T = 2, 16
@@ -122,7 +122,7 @@ def page() -> list[str]:
   for block in PAGE: exec(block, {})
   return [re.search(r'@estimator\("(\w+)"', b).group(1) for b in PAGE]
 
-def at_step(method:str, step:int) -> dict: return zo.at_step(estimators.ESTIMATORS[method], step)  # as the training loop passes it
+def at_step(method:str, step:int) -> dict: return estimators.at_step(estimators.ESTIMATORS[method], step)  # as the training loop passes it
 
 def signed(K:int, D:int) -> float:
   """sign-MeZO's cosine law: g_hat = (1/K) sum_k s_k z_k, s_k = sign(z_k.g), so E[g_hat.g] = |g| sqrt(2/pi) and E|g_hat|^2 =
@@ -533,7 +533,7 @@ def test_cosine_at_checkpoint(background, monkeypatch, capsys):
   def spy(model, *a, **kw):
     if not seen: seen.append({n: p.numpy() for n, p in model.params.items()})
     return estimators.estimate(model, *a, **kw)
-  monkeypatch.setattr(zo, "estimate", spy)
+  monkeypatch.setattr(cosine, "estimate", spy)
   argv = ["--cosine", "--resume", "--out", str(out / "full"), "--method", "mezo", "--pop", "4",
           *(s for k in ("model", "vocab", "seq", "batch", "seed") for s in (f"--{k}", str(RUN[k])))]
   zo.main(argv)
