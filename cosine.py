@@ -6,7 +6,7 @@ from tinygrad import Device, Tensor
 from data import BPE, Bytes, load
 from estimators import at_step, carried, estimate, step_key, values
 from registry import ESTIMATORS, Run
-from rundir import load_checkpoint, lock, same_run
+from rundir import load_checkpoint, lock
 import kernels
 
 LAYER_TYPES = (("mlp in", "mlp.c_fc"), ("mlp out", "mlp.c_proj"), ("attn out", "attn.c_proj"), ("q", "c_q"),
@@ -28,10 +28,10 @@ def table(args, flag:str|None, model, tok:Bytes|BPE, job:Run):
   batch; at initialisation, or with --resume (`flag`) at the weights of the checkpoint in --out, where estimators differ
   more than at initialisation and two settings of one can be compared on the same trained weights. The run's model and
   data must be the flags' (--model, --vocab, --loops, --tokenizer, --data, --seed); the estimator's flags, --batch and
-  --seq are free. `model` and `tok` are the flags', `job` the run as the estimator sees it."""
+  --seq are free (zo.cosine_table checks the run's). `model` and `tok` are the flags', `job` the run as the estimator
+  sees it."""
   where = "initialisation"
   if flag:
-    same_run(flag, args, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
     lock(args.out)  # no training run writes the checkpoint while it is read
     where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
   entry = ESTIMATORS[args.method]

@@ -4,6 +4,7 @@ before the folder changes."""
 from __future__ import annotations
 import contextlib, fcntl, json, math, os, signal, socket, sys, threading
 from typing import Any, Callable
+import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tinygrad import Device, Tensor
@@ -17,11 +18,15 @@ def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=N
   """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one
   intact. Written from host copies by the safetensors package: tinygrad's safe_save goes through its CPU device, which
   compiles helper programs with clang even under DEV=CUDA, so a GPU machine without clang lost the whole run at its
-  first checkpoint. A write that fails (a full disk, a file size limit, permissions) stops the run with the path and the
-  OS's error, the temp file removed and the previous checkpoint as it was."""
+  first checkpoint. Weights that are not all finite are never written: the run stops, the previous checkpoint kept. A
+  write that fails (a full disk, a file size limit, permissions) stops the run with the path and the OS's error, the
+  temp file removed and the previous checkpoint as it was."""
   path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
   tensors = {k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state(),
                                        **{f"state.{k}": t for k, t in (state or {}).items()}}.items()}
+  if bad := next((k for k, a in tensors.items() if k.startswith("param.") and not np.isfinite(a).all()), None):
+    raise UsageError(f"step {step}: the weights of {bad.removeprefix('param.')} are not finite: diverged, and not "
+                     f"saved; {kept(path)}")
   try:
     save_file(tensors, tmp, metadata={"step": str(step)})
     mask = os.umask(0)
@@ -32,9 +37,13 @@ def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=N
     os.replace(tmp, path)
   except (OSError, SafetensorError) as e:
     with contextlib.suppress(OSError): os.remove(tmp)
-    kept = (f"the checkpoint of an earlier step is intact in {path}" if os.path.exists(path) else
-            "no checkpoint was written")
-    raise UsageError(f"cannot write the checkpoint of step {step} to {tmp}: {e}; {kept}") from None
+    raise UsageError(f"cannot write the checkpoint of step {step} to {tmp}: {e}; {kept(path)}") from None
+
+def kept(path:str) -> str:
+  """What a stopped run keeps of its checkpoints: the one at `path`, named by its step, or none."""
+  try:
+    with safe_open(path, "np") as f: return f"the checkpoint of step {f.metadata()['step']} in {path} is kept"
+  except (OSError, SafetensorError, KeyError, TypeError): return "no checkpoint is saved"
 
 def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Tensor], int]:
   """The model's parameters set from the checkpoint in out; returns the checkpoint's tensors whose names start with
@@ -67,26 +76,28 @@ def resume(out:str, model, opt:Optimizer, state:dict[str, Tensor]|None=None) -> 
 def init_from(args, model):
   """--init RUN: the model's weights from another run's checkpoint, where this run then starts with a fresh optimizer at
   step 0, on its own --data (pretrain with backprop, adapt with forward passes). The run's model flags must be this
-  one's. A --resume continues from its own checkpoint, and ignores --init."""
+  one's. A --resume continues from its own checkpoint (and checks that its --init is the run's)."""
   if not args.init or args.resume: return
-  if not os.path.exists(path := os.path.join(args.init, "config.json")):
-    raise UsageError(f"--init {args.init}: no run there (no config.json)")
-  src = run_config(path)
-  if diff := [k for k in ("model", "vocab", "loops") if src.get(k) != getattr(args, k)]:
+  src = read_config(args.init, "--init")
+  if diff := [k for k in ("model", "vocab", "loops") if src[k] != getattr(args, k)]:
     raise UsageError(f"--init {args.init}: that run's model is another: " +
-                     ", ".join(f"--{typed(k)} {src.get(k)} there, {getattr(args, k)} here" for k in diff))
+                     ", ".join(f"--{typed(k)} {src[k]} there, {getattr(args, k)} here" for k in diff))
   load_checkpoint(args.init, model, "--init", keep="param.")
 
 
-def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
-  """--tokenizer for --data: bytes, or a BPE: under `flag` (--resume, --sample) the run's own, OUT/tokenizer.json, else
-  one trained on the text. A BPE of size N sets --vocab to N."""
+def text_tokenizer(args, flag:str|None=None, sha256:str|None=None) -> Bytes|BPE:
+  """--tokenizer for --data: bytes, or a BPE: under `flag` (--resume, --sample) the run's own, OUT/tokenizer.json (whose
+  sha256 must be `sha256`, the run's record, where it has one), else one trained on the text. A BPE of size N sets
+  --vocab to N."""
   from data import bpe_size, tokenizer
   saved = os.path.join(args.out, "tokenizer.json")
   if flag and bpe_size(args.tokenizer) and not os.path.exists(saved):
     raise UsageError(f"{flag}: {args.out} has no tokenizer.json: it is not a run of --tokenizer {args.tokenizer}")
   tok = tokenizer(args.tokenizer, args.data, saved if flag else None)
   if isinstance(tok, BPE):
+    if flag and sha256 not in (None, tok.sha):
+      raise UsageError(f"{flag}: {saved} is not the tokenizer the run was trained with: its sha256 is {tok.sha}, the "
+                       f"run's {sha256}")
     if args.vocab not in (None, tok.vocab):
       raise UsageError(f"--vocab {args.vocab}: --tokenizer {tok.spec} sets the vocab to {tok.vocab}")
     args.vocab = tok.vocab
@@ -95,21 +106,66 @@ def text_tokenizer(args, flag:str|None=None) -> Bytes|BPE:
 # a flag's argparse name as the user types it (less its dashes)
 def typed(dest:str) -> str: return dest.replace("_", "-")
 
-def run_config(path:str) -> dict:  # a run from before --tokenizer: bytes
-  return {"tokenizer": "bytes"} | json.load(open(path))
+# ***** config.json: what a run is *****
 
-def same_run(flag:str, args, keys:tuple[str, ...]):
-  """Check that the run in --out was made with these flags' values: another one is refused, each named as it is
-  typed."""
-  path = os.path.join(args.out, "config.json")
-  if not os.path.exists(path): raise UsageError(f"{flag}: no run in {args.out}")
-  old, entry = run_config(path), ESTIMATORS[args.method]
-  # an option from before it: its default
-  def was(k:str) -> Any: return old.get(k, entry.default(k) if k in entry.options else None)
-  if diff := [k for k in keys if was(k) != getattr(args, k)]:
-    flags = [typed(k) for k in diff]
-    raise UsageError(f"{flag}: {args.out} was trained with other {', '.join(flags)} "
-                     f"({', '.join(f'{f}={was(k)}' for f, k in zip(flags, diff))})")
+# Each key of config.json that zo reads back, and the JSON it must hold: None where a flag left to its default is null.
+# The run's method adds its options, each of its default's type.
+KEYS = {"method": (str,), "model": (str,), "vocab": (int, None), "loops": (int, None), "eval_loops": (int, None),
+        "data": (str,), "data_sha256": (str, None), "tokenizer": (str,), "tokenizer_sha256": (str, None),
+        "init": (str, None), "seed": (int,), "batch": (int,), "seq": (int,), "pop": (int,), "optim": (str,),
+        "lr": (float, None), "momentum": (float, None), "warmdown": (float, None), "replay": (int,),
+        "steps": (int, None), "tokens": (int, None)}
+# the keys that a run from before them lacks, and what such a run had
+SINCE = {"tokenizer": "bytes", "data_sha256": None, "tokenizer_sha256": None, "init": None}
+# What decides a run's data and estimates, besides its method's options: --resume refuses another value of any. The
+# data's content and the tokenizer are checked by their sha256 (same_run, text_tokenizer).
+IDENTITY = ("method", "model", "vocab", "loops", "eval_loops", "data", "tokenizer", "init", "seed", "batch", "seq",
+            "pop", "optim", "lr", "momentum", "warmdown", "replay")
+# what --resume may change: the run's length (and so its lr schedule's), the intervals, the devices
+FREE = ("steps", "tokens", "eval_every", "ckpt_every", "devices")
+
+def is_json(v:Any, types:tuple) -> bool:  # an integer is a number too; a bool is none
+  if v is None: return None in types
+  return not isinstance(v, bool) and isinstance(v, tuple(t for t in types if t) + ((int,) if float in types else ()))
+
+def described(types:tuple) -> str:
+  names = {str: "a string", int: "an integer", float: "a number"}
+  return " or ".join([names[t] for t in types if t] + (["null"] if None in types else []))
+
+def read_config(out:str, flag:str) -> dict:
+  """The config.json of the run in out, read through KEYS: a file that is missing or isn't a JSON object, a key missing
+  or of another type, is refused in one line that names the file and the key."""
+  path = os.path.join(out, "config.json")
+  if not os.path.exists(path): raise UsageError(f"{flag}: no run in {out} (no config.json)")
+  try:
+    with open(path, "rb") as f: config = json.load(f)
+  except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    raise UsageError(f"{flag}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+  if not isinstance(config, dict):
+    raise UsageError(f"{flag}: {path} holds a JSON {type(config).__name__}, not an object of the run's settings")
+  entry = ESTIMATORS.get(config["method"]) if isinstance(config.get("method"), str) else None
+  options = {o: entry.default(o) for o in entry.options} if entry else {}  # an option from before it: its default
+  config = SINCE | options | config
+  for k, types in (KEYS | {o: (type(v),) for o, v in options.items()}).items():
+    if k not in config: raise UsageError(f"{flag}: {path} has no key {k!r}")
+    if not is_json(config[k], types):
+      raise UsageError(f"{flag}: {path}: {k!r} is {json.dumps(config[k])}, not {described(types)}")
+  return config
+
+def shown(k:str, v:Any) -> str: return f"the default --{typed(k)}" if v is None else f"--{typed(k)} {v}"
+
+def same_run(flag:str, args, run:dict, keys:tuple[str, ...]):
+  """Check that the run in --out (its config `run`) was made with these flags' values and, where it recorded one, the
+  data's sha256 (args.data_sha256): any other is refused in one line that names each flag, the run's value and this
+  command's. A command that gives neither --steps nor --tokens takes the run's."""
+  if diff := [k for k in keys if run.get(k) != getattr(args, k)]:
+    diff = ["method"] if "method" in diff else diff  # another method's options differ too
+    raise UsageError(f"{flag}: {args.out} is a run of {' and '.join(shown(k, run.get(k)) for k in diff)}, not "
+                     f"{' and '.join(shown(k, getattr(args, k)) for k in diff)}")
+  if run["data_sha256"] not in (None, args.data_sha256):
+    raise UsageError(f"{flag}: --data {args.data} is not the run's data: its sha256 is {args.data_sha256}, the run's "
+                     f"{run['data_sha256']}")
+  if args.steps is None and args.tokens is None: args.steps, args.tokens = run["steps"], run["tokens"]
 
 # the run folders this process holds: their lock files' descriptors, open for the process's life
 _locks:dict[str, int] = {}
@@ -141,21 +197,20 @@ def files(what:str):
   except OSError as e:
     raise UsageError(f"{what}: {e.filename}: {e.strerror}" if e.filename else f"{what}: {e}") from None
 
-def prepare(args, config:dict, model, opt:Optimizer, state:dict[str, Tensor]) -> tuple[int, float]:
-  """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded and its
-  log trimmed to it; or a fresh run's refusal of another run's folder, or --force's deletion of that run. Then
-  config.json, metrics.jsonl checked writable first. Returns the step to start at, and the seconds its steps took before
-  a --resume."""
+def prepare(args, config:dict, steps:int, model, opt:Optimizer, state:dict[str, Tensor]) -> tuple[int, float]:
+  """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded (a
+  run of fewer steps than it holds is refused) and its log trimmed to it; or a fresh run's refusal of another run's
+  folder, or --force's deletion of that run. Then config.json, metrics.jsonl checked writable first. Returns the step
+  to start at, and the seconds its steps took before a --resume."""
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
-  if args.resume:
-    same_run("--resume", args, ("method", "model", "vocab", "seq", "loops", "optim", "pop", "replay", "tokenizer",
-                                *ESTIMATORS[args.method].options))
   lock(args.out)
   start, trained = 0, 0.0
   with files("--out"):
+    if args.resume and (start := resume(args.out, model, opt, state)) > steps:
+      given = f"--steps {steps}" if args.steps else f"--tokens {args.tokens:,} ({steps} steps)"
+      raise UsageError(f"--resume {given}: {args.out} is at step {start} already: --steps {start} or more goes on")
     if args.resume:
-      start = resume(args.out, model, opt, state)
       keep = [line for line in open(log_path) if logged_step(line) < start] if os.path.exists(log_path) else []
       with open(log_path, "w") as f: f.writelines(keep)  # steps logged after the checkpoint are run again
       trained = json.loads(keep[-1])["seconds"] if keep else 0.0
@@ -204,6 +259,17 @@ def on_signals(stop:list[int], kept:Callable[[], str]):
     os.close(w)  # the thread reads the end of the pipe, and ends
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a scheduler's (docker stop, kill) before its kill -9
+
+def append(log, rec:dict, kept:str):
+  """One line of metrics.jsonl, written whole or not at all: a write that fails (a full disk, a file size limit) is cut
+  back to the lines before it, and stops the run in one line saying what is `kept`. `log` is unbuffered, so that each
+  write is the file's."""
+  line, end = memoryview((json.dumps(rec) + "\n").encode()), os.fstat(log.fileno()).st_size
+  try:
+    while line: line = line[log.write(line):]  # a short write (the disk filled up) leaves the rest for the next
+  except OSError as e:
+    log.truncate(end)
+    raise UsageError(f"cannot write step {rec['step']} to {log.name}: {e.strerror}; {kept}") from None
 
 def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts as not logged
   try: return json.loads(line)["step"]

@@ -7,7 +7,7 @@ checkpoints, the lock, --resume, --init) is rundir.py; --sample is sampling.py, 
 tinygrad is in engine.py, and which kernels run where in kernels/__init__.py.
 """
 from __future__ import annotations
-import argparse, importlib, importlib.util, json, math, os, signal, sys, time
+import argparse, importlib, importlib.util, math, os, signal, sys, time, typing
 from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
@@ -18,9 +18,9 @@ from devices import names
 from estimators import Compact, Flat, at_step, carried, run, step_key, values
 from optim import Optimizer, learning_rates
 from registry import ESTIMATORS, Entry, Run
-from rundir import (UsageError, check_memory, init_from, load_checkpoint, on_signals, prepare, run_config, save,
-                    text_tokenizer, typed)
-import cosine, engine, kernels, sampling
+from rundir import (IDENTITY, UsageError, append, check_memory, init_from, load_checkpoint, on_signals, prepare,
+                    read_config, same_run, save, text_tokenizer, typed)
+import cosine, engine, kernels, rundir, sampling
 
 # ***** training: evaluation, the loop *****
 
@@ -56,10 +56,13 @@ def plan(args, model) -> Run:
              {o: getattr(args, o) for o in entry.options})
 
 def train(args):
-  from data import load
-  # resumed, a run keeps its tokenizer, whatever the text is now
-  tok = text_tokenizer(args, "--resume" if args.resume else None)
+  from data import digest, load
+  # resumed, a run is the one its config.json records (rundir.IDENTITY), on its own tokenizer, whatever the text is now
+  record = read_config(args.out, "--resume") if args.resume else None
+  tok = text_tokenizer(args, "--resume", record["tokenizer_sha256"]) if record else text_tokenizer(args)
   model = make_model(args)
+  args.data_sha256, args.tokenizer_sha256 = digest(args.data), tok.sha if isinstance(tok, BPE) else None
+  if record: same_run("--resume", args, record, (*IDENTITY, *ESTIMATORS[args.method].options))
   if args.seq > model.cfg.seq_len:
     raise UsageError(f"--seq {args.seq} is longer than the model's context of {model.cfg.seq_len}")
   data = load(args.data, model.cfg.vocab, args.seq, args.seed, tok)
@@ -78,7 +81,7 @@ def train(args):
   # what the estimator keeps from step to step (registry.py): its own at the first step, or --resume's
   state:dict[str, Tensor] = {}
   # the step to start at, and the seconds its steps took before a --resume
-  start, trained = prepare(args, config, model, opt, state)
+  start, trained = prepare(args, config, steps, model, opt, state)
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
@@ -88,9 +91,7 @@ def train(args):
         (f"; the loss floor of this data is {data.floor:.3f}" if data.floor is not None else ""))
   # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second one quits at once
   stop:list[int] = []
-  saved = [start]  # the step of the checkpoint on disk (0: none)
-  def kept() -> str:
-    return f"the checkpoint of step {saved[0]} in {args.out} is kept" if saved[0] else "no checkpoint is saved yet"
+  def kept() -> str: return rundir.kept(os.path.join(args.out, "model.safetensors"))  # what a stopped run keeps
   # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   val, t0 = None, time.perf_counter() - trained
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
@@ -100,7 +101,7 @@ def train(args):
                **carried(entry, state))
   # the work a step does, for the cache of which kernels it compiled (engine.compile_ahead)
   work = repr((args.method, args.pop, opts, model.cfg, args.batch, args.seq, path))
-  with on_signals(stop, kept), open(os.path.join(args.out, "metrics.jsonl"), "a") as log, \
+  with on_signals(stop, kept), open(os.path.join(args.out, "metrics.jsonl"), "ab", buffering=0) as log, \
        tqdm(initial=start, total=steps, dynamic_ncols=True, desc="compiling") as bar:
     for step in range(start, steps):
       x, y = map(Tensor, data.batch("train", step, args.batch, args.seq))
@@ -114,21 +115,22 @@ def train(args):
       opt.scale = min(1.0, (steps - step) / (warmdown * steps)) if warmdown else 1.0
       # queued before the check's read, which waits for it: a bad step stops the run before anything saves its weights
       opt.step(g)
-      loss = checked(model, loss, g, step, args.out)
+      loss = checked(model, loss, g, step, kept())
       dt = time.perf_counter() - ts
       rec = {"step": step, "tokens": (step + 1) * args.batch * args.seq, "train_loss": loss,
              "seconds": round(time.perf_counter() - t0, 3)}
       if step % args.eval_every == 0 or step == steps - 1:
         bar.set_description_str("evaluating")
         rec["val_loss"] = val = val_loss(model, data, args)
+        if not math.isfinite(val): raise UsageError(f"step {step}: the validation loss is {val}: diverged; {kept()}")
       bar.set_description_str("")
-      log.write(json.dumps(rec) + "\n"); log.flush()
+      append(log, rec, kept())
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
-                      tok_s=f"{args.batch * args.seq / dt:,.0f}", draws_s=f"{args.pop / dt:,.0f}")
+                      tok_s=f"{args.batch * args.seq / dt:,.0f}",
+                      **({"draws_s": f"{args.pop / dt:,.0f}"} if entry.keyed else {}))  # backprop draws nothing
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
       if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
         save(args.out, model, opt, step + 1, state)
-        saved[0] = step + 1
       if stop:
         bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in "
                   f"{args.out}; continue with --resume",
@@ -139,8 +141,9 @@ def train(args):
 def squares(loss:Tensor, named:dict[str, Tensor]) -> Tensor:
   return Tensor.cat(loss.float().reshape(1), engine.squares(list(named.values()))).contiguous()
 
-def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:str) -> float:
-  """The step's loss, once it and the estimate are seen to be finite: one JIT and one read from the device (built
+def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, kept:str) -> float:
+  """The step's loss, once it and the estimate are seen to be finite (else the run stops, saying what is `kept`): one
+  JIT and one read from the device (built
   eagerly at every step, the sums' graph took longer than a small model's whole step); backprop's JIT makes the sums
   with its gradient. A Flat is summed whole (one sum a parameter was 42 kernels at the small preset), and only a
   non-finite one is searched for the parameter."""
@@ -150,27 +153,30 @@ def checked(model, loss:Tensor, g:Compact|Flat|dict[str, Tensor], step:int, out:
     named = {"coefficients": g.coef} if isinstance(g, Compact) else g
     vals = engine.read(engine.jit(squares)(loss, named))
   if not math.isfinite(vals[0]):
-    raise UsageError(f"step {step}: the training loss is {vals[0]}; the last good checkpoint is in {out}")
+    raise UsageError(f"step {step}: the training loss is {vals[0]}: diverged; {kept}")
   if bad := [n for n, v in zip(named, vals[1:]) if not math.isfinite(v)]:
     if isinstance(g, Flat): bad = [n for n, t in g.dense(model.params).items() if not t.isfinite().all().item()] or bad
-    raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite; the last good checkpoint is in {out}")
+    raise UsageError(f"step {step}: the estimate of {bad[0]} is not finite: diverged; {kept}")
   return float(vals[0])
 
 # ***** --cosine and --sample *****
 
 def cosine_table(args):  # --cosine (cosine.py)
+  from data import digest
   flag = "--cosine --resume" if args.resume else None
-  tok = text_tokenizer(args, flag)
+  record = read_config(args.out, flag) if flag else None
+  tok = text_tokenizer(args, flag, record and record["tokenizer_sha256"])
   model = make_model(args)
+  if record:
+    args.data_sha256 = digest(args.data)
+    same_run(flag, args, record, ("model", "vocab", "loops", "tokenizer", "data", "seed"))
   cosine.table(args, flag, model, tok, plan(args, model))
 
 def sample(args):
   """--sample N: N tokens after --prompt from the checkpoint in --out, printed as text (sampling.py)."""
-  if not os.path.exists(cfg_path := os.path.join(args.out, "config.json")):
-    raise UsageError(f"--sample: no run in {args.out} (no config.json)")
-  run = argparse.Namespace(**run_config(cfg_path) | {"out": args.out})
-  tok = text_tokenizer(run, "--sample")
-  model = make_model(run)
+  record = argparse.Namespace(**read_config(args.out, "--sample") | {"out": args.out})
+  tok = text_tokenizer(record, "--sample", record.tokenizer_sha256)
+  model = make_model(record)
   load_checkpoint(args.out, model, "--sample", keep="param.")
   sampling.sample(model, tok, args)
 
@@ -179,11 +185,12 @@ def sample(args):
 def parse(argv:list[str]|None=None) -> argparse.Namespace:
   plugins(argv)
   p = argparse.ArgumentParser(description="Train a GPT with forward passes only (zeroth-order estimators).",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultOnce)
   p.add_argument("--method", default="dust", choices=tuple(ESTIMATORS),
                  help="gradient estimator (estimators.py); backprop is the reference baseline")
   p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: the draws of a step (the method's "
-                 "directions, members or recipe's population); several values only with --cosine")
+                 "directions, members or recipe's population; backprop draws none); several values only with --cosine "
+                 "(default: 1024)")
   p.add_argument("--model", default=None, choices=("tiny", "small", "dust", "looped"),
                  help="default: tiny on the CPU, small on a GPU")
   p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (default: the "
@@ -202,21 +209,21 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--seq", type=int, default=None,
                  help="training sequence length, at most the model's context (default: the context)")
   p.add_argument("--lr", type=float, default=None, help="base learning rate (default: the method's recipe)")
-  p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"))
+  p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"), help="the optimizer")
   p.add_argument("--momentum", type=float, default=None, help="SGD momentum or AdamW beta1 (default: the recipe's)")
   p.add_argument("--warmdown", type=float, default=None, help="fraction of the steps at the end over which the lr "
                  "falls linearly to 0 (default: the method's)")
   p.add_argument("--replay", type=int, default=0, help="mezo/es under SGD: 0 keeps a momentum buffer; W > 0 keeps no "
-                 "buffer but the last W steps' seeds, and replays the momentum from them")
-  p.add_argument("--seed", type=int, default=0)
+                 "buffer but the last W steps' seeds, and replays the momentum from them (default: 0)")
+  p.add_argument("--seed", type=int, default=0, help="the seed of the weights, the data and the noise")
   p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses")
   p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
   p.add_argument("--out", default="runs/zo", help="output directory: config.json, metrics.jsonl, model.safetensors")
   p.add_argument("--init", default=None, metavar="RUN", help="start from the weights of the run in folder RUN (its "
-                 "model flags must be this run's), with a fresh optimizer at step 0, on any --data; --resume ignores "
-                 "it")
-  p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (with --cosine: "
-                 "measure at its weights)")
+                 "model flags must be this run's), with a fresh optimizer at step 0, on any --data")
+  p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, exactly: its "
+                 "flags must be the run's, but for --steps (at least the run's step; not given: the run's), --tokens, "
+                 "--eval-every, --ckpt-every and --devices; with --cosine: measure at its weights")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
   p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop "
                  "for each --pop, at initialisation or (with --resume) at the checkpoint in --out, then exit")
@@ -226,7 +233,7 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--prompt", default="\n", help="--sample: the text to continue (default: %(default)r)")
   p.add_argument("--temperature", type=float, default=1.0, help="--sample: divides the logits before the softmax")
   p.add_argument("--top-k", type=int, default=None,
-                 help="--sample: draw from the k likeliest tokens only; None: from all")
+                 help="--sample: draw from the k likeliest tokens only (default: from all)")
   p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE", help="a file or module of your "
                  "own estimators, imported before the flags are read, so that its methods and their flags are there "
                  "(docs/estimator.md)")
@@ -237,7 +244,40 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
     # one line
     if value is not None and not ok(value): p.exit(2, f"zo: error: --{typed(flag)} {value}: must be {need}\n")
   if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  return method_options(p, args)
+  for flag, given, why in idle(method_options(p, args), p):
+    if not given: continue
+    v = getattr(args, "pops" if flag == "pop" else flag)
+    shown = " ".join(map(str, v)) if isinstance(v, list) else "" if v is True else repr(v) if isinstance(v, str) else v
+    p.exit(2, f"zo: error: --{typed(flag)} {shown}".rstrip() + f": {why}\n")
+  return args
+
+class DefaultOnce(argparse.HelpFormatter):
+  """--help with each flag's default once: argparse's, where the help doesn't say it and there is one to say."""
+  def _get_help_string(self, action:argparse.Action) -> str:
+    if "default:" in action.help or action.default in (None, False, [], argparse.SUPPRESS): return action.help
+    return f"{action.help} (default: %(default)s)"
+
+def idle(args:argparse.Namespace, p:argparse.ArgumentParser) -> list[tuple[str, bool, str]]:
+  """The flags that would do nothing in this run, each (flag, whether it is given, why it does nothing)."""
+  entry, gpt = ESTIMATORS[args.method], args.model != "looped"
+  return [*[(f, gpt and getattr(args, f) is not None, "a GPT has no loops (--model looped has)")
+            for f in ("loops", "eval_loops")],
+          ("pop", not entry.keyed and args.pops != p.get_default("pop"),
+           f"--method {args.method} draws nothing: its step is one gradient"),
+          ("replay", args.replay > 0 and args.optim != "sgd", "only SGD's momentum is replayed, not AdamW's moments"),
+          ("replay", args.replay > 0 and not replayable(entry),
+           f"an estimate of --method {args.method} is not a list of seeds to replay: keep its momentum (--replay 0)"),
+          ("force", args.force and args.resume, "--resume overwrites nothing"),
+          *[(f, not args.sample and getattr(args, f) != p.get_default(f), "only --sample uses it")
+            for f in ("prompt", "temperature", "top_k")]]
+
+def replayable(entry:Entry) -> bool:
+  """Whether the method's estimate is a Compact (a key and a coefficient a direction), whose momentum --replay rebuilds
+  from its seeds: as its function's return annotation says; where it says nothing, the optimizer tells at the first
+  step."""
+  try: kind = typing.get_args(typing.get_type_hints(entry.fn).get("return"))[:1]
+  except NameError: return True
+  return kind in ((), (Compact,))
 
 def option_flags(p:argparse.ArgumentParser):
   """A flag for every option of every estimator, in a group per method (--help). An option that several methods declare
@@ -329,7 +369,7 @@ def device_defaults(args, device:str):
   so that the run takes minutes (docs/performance.md: "The CPU's step: sums of exps written out")."""
   cpu = device == "CPU"
   args.model = args.model or ("tiny" if cpu else "small")
-  if args.tokens is None: args.tokens = 20_000 if cpu else 500_000
+  if args.tokens is None and not args.resume: args.tokens = 20_000 if cpu else 500_000  # a resumed run has its own
   if cpu and args.data == "synthetic" and args.vocab is None: args.vocab = 32
 
 def main(argv:list[str]|None=None):

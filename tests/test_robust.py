@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from tinygrad import Tensor, dtypes
+from model import Looped, LoopedConfig
 from registry import ESTIMATORS
-import zo
+import data, optim, rundir, zo
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "DEV": "CPU", "PYTHONUNBUFFERED": "1"}  # NOOPT and PARALLEL from conftest.py
@@ -216,13 +218,22 @@ def run_lock(tmp:Path) -> dict:
   res["after_kill"] = cli(*argv(out, "--steps", 2, "--resume"))  # the checkpoint is at step 2: nothing to train
   return res
 
+def copied(src:Path, dst:Path) -> Path:
+  """dst, a copy of the finished run in src."""
+  dst.mkdir()
+  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (dst / f).write_bytes((src / f).read_bytes())
+  return dst
+
+def ref_done(tmp:Path):
+  """Wait for the ref chain, submitted before the caller's, on the pool's other thread: its kernels are then in tinygrad's cache."""
+  ref, end = tmp / "ref", time.monotonic() + 600
+  while not (lines(ref) == STEPS and checkpoint(ref / "model.safetensors")[0] == STEPS): assert time.monotonic() < end; time.sleep(0.5)
+
 def run_stall(tmp:Path, sig:int, where:str) -> dict:
   """A finished run resumed for 2 more steps, its main thread held in C code by STALL_C at `where`: two signals, 1 s apart."""
-  out, err, ref = tmp / f"stall_{where}", tmp / f"stall_{where}.stderr", tmp / "ref"
-  end = time.monotonic() + 600  # the ref chain, submitted before this one, runs on the pool's other thread
-  while not (lines(ref) == STEPS and checkpoint(ref / "model.safetensors")[0] == STEPS): assert time.monotonic() < end; time.sleep(0.5)
-  out.mkdir()
-  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (out / f).write_bytes((tmp / "ref" / f).read_bytes())
+  out, err = tmp / f"stall_{where}", tmp / f"stall_{where}.stderr"
+  ref_done(tmp)
+  copied(tmp / "ref", out)
   before = (out / "model.safetensors").read_bytes()
   p = start(err, where, *argv(out, "--steps", STEPS + 2, "--ckpt-every", 1, "--eval-every", 1, "--resume"), code=STALL_C)
   try:
@@ -235,13 +246,30 @@ def run_stall(tmp:Path, sig:int, where:str) -> dict:
   finally: stop(p)
   return res | {"stderr": err.read_text(), "intact": (out / "model.safetensors").read_bytes() == before}
 
+def run_diverge(tmp:Path) -> dict:
+  """lr 1e12: step 0's update overflows the weights, so that its evaluation is NaN."""
+  out = tmp / "diverge"
+  return {"out": out, "r": cli(*argv(out, "--steps", 3, "--lr", "1e12", "--ckpt-every", 1, "--eval-every", 1))}
+
+def run_full_log(tmp:Path) -> dict:
+  """A run whose files may grow to 2 KiB (RLIMIT_FSIZE, as a disk that fills up): its metrics.jsonl reaches that within 40 steps, before
+  its first checkpoint. The limit binds tinygrad's compile cache too: the ref run has put every kernel there, so this run only reads it."""
+  out, limit = tmp / "full_log", lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+  ref_done(tmp)
+  r = subprocess.run(command(argv(out, "--steps", 40, "--ckpt-every", 1000), None), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                     timeout=600, preexec_fn=limit)
+  return {"out": out, "r": r}
+
 CHAINS = {"kill9": run_kill9, "sigint": run_sigint, "sigterm": run_sigterm, "ref": run_ref, "nan_loss": lambda t: run_nan(t, "loss"),
           "nan_estimate": lambda t: run_nan(t, "estimate"), "atomic": run_atomic, "lock": run_lock,
-          "stall_run": lambda t: run_stall(t, signal.SIGTERM, "run"), "stall_val_loss": lambda t: run_stall(t, signal.SIGINT, "val_loss")}
+          "stall_run": lambda t: run_stall(t, signal.SIGTERM, "run"), "stall_val_loss": lambda t: run_stall(t, signal.SIGINT, "val_loss"),
+          "diverge": run_diverge, "full_log": run_full_log}
 NEEDS = {"test_nonfinite_stops": ("nan_loss", "nan_estimate"), "test_atomic_checkpoint": ("atomic",), "test_resume_after_kill9": ("kill9", "ref"),
          "test_resume_refuses_other_flags": ("kill9",), "test_resume_drops_torn_line": ("kill9",), "test_force": ("sigint", "ref"),
          "test_sigint": ("sigint", "ref"), "test_sigterm": ("sigterm", "ref"), "test_unreadable_checkpoint": ("ref",),
-         "test_unwritable_checkpoint": ("ref",), "test_lock": ("lock",), "test_second_signal": ("ref", "stall_run", "stall_val_loss")}
+         "test_unwritable_checkpoint": ("ref",), "test_lock": ("lock",), "test_second_signal": ("ref", "stall_run", "stall_val_loss"),
+         "test_resume_identity": ("ref",), "test_config_schema": ("ref",), "test_divergence_told_truly": ("diverge",),
+         "test_full_disk_while_logging": ("ref", "full_log")}
 
 @pytest.fixture(scope="module", autouse=True)
 def runs(request, tmp_path_factory):
@@ -440,16 +468,14 @@ def test_unreadable_checkpoint(case:str, problem:str, runs, tmp_path:Path):
 # protects: a checkpoint that can't be written (here a 64 KiB file size limit, as a full disk) stops the run, non-zero, with one line
 # naming the path and the OS's error; the previous checkpoint stays whole and readable, and no temp file is left
 def test_unwritable_checkpoint(runs, tmp_path:Path):
-  ref, out = runs["ref"].result()["out"], tmp_path / "run"
-  out.mkdir()
-  for f in ("config.json", "metrics.jsonl", "model.safetensors"): (out / f).write_bytes((ref / f).read_bytes())
+  out = copied(runs["ref"].result()["out"], tmp_path / "run")
   before = (out / "model.safetensors").read_bytes()
   # the limit binds tinygrad's compile cache too: the ref run has put every kernel there, so this run only reads it
   limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))  # noqa: E731
   r = subprocess.run(command(argv(out, "--steps", STEPS + 2, "--ckpt-every", 1, "--resume"), None), cwd=ROOT, env=ENV,
                      capture_output=True, text=True, timeout=600, preexec_fn=limit)
   msg = error_line(r)
-  assert str(out / "model.safetensors.tmp") in msg and "File too large" in msg and "intact" in msg, msg
+  assert str(out / "model.safetensors.tmp") in msg and "File too large" in msg and f"the checkpoint of step {STEPS} in" in msg, msg
   assert (out / "model.safetensors").read_bytes() == before and not (out / "model.safetensors.tmp").exists()
 
 # protects: every numeric flag is checked before anything runs: exit 2, one line naming the flag (argparse reads "nan" and "inf")
@@ -488,18 +514,19 @@ def test_both_scales_named(capsys):
 
 # protects: --resume refuses a Dust run made with other scales, and reads a run from before --qkv-scale as made with 1
 def test_resume_refuses_other_scales(tmp_path:Path, capsys):
-  flags = ["--method", "dust", "--optim", "adamw", "--pop", "256", "--model", "tiny", "--vocab", "32", "--seq", "16", "--out", str(tmp_path)]
+  flags = ["--method", "dust", "--optim", "adamw", "--pop", "256", "--model", "tiny", "--vocab", "32", "--seq", "16", "--steps", "1",
+           "--out", str(tmp_path)]
   old = {k: v for k, v in vars(zo.parse([*flags, "--direct-scale", "1.5"])).items() if k != "qkv_scale"}  # before --qkv-scale
   (tmp_path / "config.json").write_text(json.dumps(old))
   with pytest.raises(SystemExit) as e: zo.main([*flags, "--direct-scale", "1.5", "--qkv-scale", "4", "--resume"])
   err = capsys.readouterr().err
-  assert e.value.code == 2 and "was trained with other qkv-scale (qkv-scale=1.0)" in err, err
+  assert e.value.code == 2 and "is a run of --qkv-scale 1.0, not --qkv-scale 4" in err, err
   with pytest.raises(SystemExit) as e: zo.main([*flags, "--qkv-scale", "4", "--resume"])
   err = capsys.readouterr().err
-  assert e.value.code == 2 and "was trained with other direct-scale, qkv-scale (direct-scale=1.5, qkv-scale=1.0)" in err, err
+  assert e.value.code == 2 and "is a run of --direct-scale 1.5 and --qkv-scale 1.0, not --direct-scale 1.0 and --qkv-scale 4" in err, err
   with pytest.raises(SystemExit) as e: zo.main([*flags, "--direct-scale", "1.5", "--resume"])  # the same run: on to its checkpoint
   err = capsys.readouterr().err
-  assert e.value.code == 2 and "trained with other" not in err and "no checkpoint" in err, err
+  assert e.value.code == 2 and "is a run of" not in err and "no checkpoint" in err, err
 
 # protects: the command line is the registry's: every option of every estimator is a flag that its methods take (the value reaches
 # args) and every other method refuses in one line that names the flag and the method and lists what the method takes (exit 2)
@@ -543,7 +570,7 @@ def test_second_signal(where:str, sig:str, runs):
 def refused(tmp:Path) -> dict:
   """Cases refused before any work, each (its arguments, words its line holds, an environment to add)."""
   (tmp / "afile").write_text("not a directory")
-  config = json.dumps(vars(zo.parse(RUN)))
+  config = json.dumps(vars(zo.parse([*RUN, "--steps", "2"])))
   for name in ("logged", "undeletable"):  # a run with a log but no checkpoint (killed in its first step); one whose log is a folder
     (tmp / name).mkdir()
     (tmp / name / "config.json").write_text(config)
@@ -580,3 +607,110 @@ def test_refused_before_any_work(case:str, tmp_path:Path):
   msg = error_line(r)
   assert len(r.stderr.strip().splitlines()) == 1 and all(w in msg for w in words), r.stderr
   assert state() == before, "the refused run changed files"
+
+# ***** a run folder is one run *****
+
+def refusal(capsys, *args) -> str:
+  """zo.main's refusal of args in this process: exit code 2 and one line, which it returns."""
+  with pytest.raises(SystemExit) as e: zo.main([*map(str, args)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("zo: error: "), err
+  return err.strip()
+
+# protects: a run folder is one run: --resume with another value of what decides its data or its estimates (a flag, the content of its
+# data, its tokenizer.json) or with --steps below its checkpoint's step is refused in one line that names the flag, the run's value and
+# the new one, config.json untouched; --resume without --steps leaves a finished run finished (the default --tokens would be 625 steps)
+def test_resume_identity(runs, tmp_path:Path, capsys, monkeypatch):
+  out, ids, text = copied(runs["ref"].result()["out"], tmp_path / "run"), tmp_path / "ids.npy", tmp_path / "t.txt"
+  np.save(ids, np.arange(400) % 64)
+  text.write_text("to be or not to be, that is the question; " * 100)
+  config = json.loads((out / "config.json").read_text())
+  cases = [(["--seed", 5], {}, "is a run of --seed 0, not --seed 5"), (["--batch", 4], {}, "is a run of --batch 2, not --batch 4"),
+           (["--lr", 0.01], {}, "is a run of the default --lr, not --lr 0.01"),
+           (["--data", ids], {}, f"is a run of --data synthetic, not --data {ids}"),
+           (["--data", ids], {"data": str(ids), "data_sha256": data.digest(str(ids))}, None),  # the file changes below
+           (["--data", text, "--tokenizer", "bpe:300"], {"data": str(text), "tokenizer": "bpe:300",
+                                                         "tokenizer_sha256": data.BPE.train(text.read_text(), 300).sha}, None),
+           (["--steps", 3], {}, f"--resume --steps 3: {out} is at step {STEPS} already")]
+  np.save(ids, np.arange(400) % 32)
+  cases[4] = (*cases[4][:2], f"--resume: --data {ids} is not the run's data: its sha256 is {data.digest(str(ids))}")
+  data.BPE.train(text.read_text()[::-1], 300).save(str(out / "tokenizer.json"))  # another text's BPE
+  cases[5] = (*cases[5][:2], f"--resume: {out / 'tokenizer.json'} is not the tokenizer the run was trained with")
+  for flags, record, says in cases:
+    (out / "config.json").write_text(before := json.dumps(config | record))
+    assert says in (msg := refusal(capsys, *argv(out, "--resume", *flags))), msg
+    assert (out / "config.json").read_text() == before
+  monkeypatch.setattr(zo, "on_signals", lambda *a: contextlib.nullcontext())  # the signal thread would be the test process's
+  zo.main(argv(out, "--resume"))
+  assert json.loads((out / "config.json").read_text())["steps"] == STEPS and lines(out) == STEPS
+
+# protects: config.json is read through one schema: a file that isn't a JSON object, a key missing or of another type is refused in one
+# line that names the file and the key, before anything else
+@pytest.mark.parametrize("case, says", [("a list for a number", "'seq' is [16], not an integer"), ("no method", "has no key 'method'"),
+                                        ("a string for a number", "'vocab' is \"64\", not an integer or null"),
+                                        ("a list", "holds a JSON list, not an object"), ("truncated", "cannot read")])
+def test_config_schema(case:str, says:str, runs, tmp_path:Path, capsys):
+  out = copied(runs["ref"].result()["out"], tmp_path / "run")
+  config = json.loads(text := (out / "config.json").read_text())
+  (out / "config.json").write_text({"a list for a number": json.dumps(config | {"seq": [16]}),
+                                    "no method": json.dumps({k: v for k, v in config.items() if k != "method"}),
+                                    "a string for a number": json.dumps(config | {"vocab": "64"}), "a list": json.dumps(list(config)),
+                                    "truncated": text[:len(text) // 2]}[case])
+  msg = refusal(capsys, *argv(out, "--resume"))
+  assert str(out / "config.json") in msg and says in msg, msg
+
+# protects: a run that diverges says so truly: at lr 1e12 step 0's update overflows the weights, the evaluation after it is NaN, and the
+# run stops there, saying that no checkpoint is saved (none is), with nothing logged; a checkpoint would have held those weights
+def test_divergence_told_truly(runs):
+  res = runs["diverge"].result()
+  assert error_line(res["r"]) == "zo: error: step 0: the validation loss is nan: diverged; no checkpoint is saved"
+  assert not (res["out"] / "model.safetensors").exists() and lines(res["out"]) == 0
+
+# protects: a checkpoint is never written from weights that are not all finite: the save stops the run naming the parameter and the
+# checkpoint kept (none, or the last by its step), which stays as it was
+def test_no_checkpoint_of_nonfinite_weights(tmp_path:Path):
+  m = Looped(LoopedConfig.preset("tiny", vocab=4, n_embd=8, n_head=1, loops=1), 0, dtypes.float32)
+  opt, path = optim.Optimizer(m.params, {n: 0.1 for n in m.params}, "sgd", 0.9, 0), tmp_path / "model.safetensors"
+  name, p = next(iter(m.params.items()))
+  good = p.numpy()
+  p.assign(Tensor(np.full_like(good, np.inf))).realize()
+  says = rf"^step 3: the weights of {re.escape(name)} are not finite: diverged, and not saved; no checkpoint is saved$"
+  with pytest.raises(zo.UsageError, match=says): rundir.save(str(tmp_path), m, opt, 3)
+  assert list(tmp_path.iterdir()) == []
+  p.assign(Tensor(good)).realize()
+  rundir.save(str(tmp_path), m, opt, 3)
+  before = path.read_bytes()
+  p.assign(Tensor(np.full_like(good, np.nan))).realize()
+  with pytest.raises(zo.UsageError, match=rf"; the checkpoint of step 3 in {re.escape(str(path))} is kept$"): rundir.save(str(tmp_path), m, opt, 4)
+  assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+# protects: a disk that fills up while metrics.jsonl grows (here a 2 KiB file size limit) stops the run in one line naming the step, the
+# file and the OS's error, and every line logged is whole: the part of a line that fitted is cut away
+def test_full_disk_while_logging(runs):
+  res = runs["full_log"].result()
+  msg, text = error_line(res["r"]), (res["out"] / "metrics.jsonl").read_text()
+  logged = [json.loads(line) for line in text.splitlines()]
+  assert text.endswith("\n") and [r["step"] for r in logged] == list(range(len(logged))) and 10 < len(logged) < 40, text[-300:]
+  assert f"cannot write step {len(logged)} to {res['out'] / 'metrics.jsonl'}: File too large; no checkpoint is saved" in msg, msg
+
+# protects: a flag that would do nothing is refused in one line that says why (exit 2): loops on a GPT, a population for backprop,
+# --replay where nothing is replayed (AdamW's moments, or an estimate that is no list of seeds), --force with --resume, --sample's
+# flags without it; and nothing in --out is touched: "--force" with Dust's "--replay" used to delete the old run first
+@pytest.mark.parametrize("flags, says", [(["--loops", "4"], "--loops 4: a GPT has no loops"),
+                                         (["--model", "tiny", "--eval-loops", "2"], "--eval-loops 2: a GPT has no loops"),
+                                         (["--method", "backprop", "--pop", "1000000000"], "--pop 1000000000: --method backprop draws nothing"),
+                                         (["--method", "mezo", "--optim", "adamw", "--replay", "3"], "--replay 3: only SGD's momentum"),
+                                         (["--method", "dust", "--replay", "3", "--force"], "--replay 3: an estimate of --method dust is not"),
+                                         (["--resume", "--force"], "--force: --resume overwrites nothing"),
+                                         (["--temperature", "0.5"], "--temperature 0.5: only --sample uses it")])
+def test_flags_that_do_nothing(flags:list[str], says:str, tmp_path:Path, capsys):
+  (out := tmp_path / "run").mkdir()
+  (out / "metrics.jsonl").write_text("{}\n")
+  assert refusal(capsys, "--out", out, *flags).startswith(f"zo: error: {says}") and (out / "metrics.jsonl").read_text() == "{}\n"
+
+# protects: --help states each flag's default once, and no "(default: None)" after a help that says what happens by default
+def test_help_states_each_default_once(capsys):
+  with pytest.raises(SystemExit): zo.parse(["--help"])
+  blocks = re.split(r"\n  (?=-)", capsys.readouterr().out)  # one a flag
+  for b in blocks: assert "default: None" not in b and b.count("default:") <= 1 + b.count(";"), b  # a shared option: one a method
+  assert any("--batch BATCH" in b and "(default: 8)" in b for b in blocks)

@@ -545,7 +545,7 @@ def test_cosine_at_checkpoint(background, monkeypatch, capsys):
   assert any(not np.array_equal(w, init[n].numpy()) for n, w in seen[0].items())  # training moved the weights: a real check
   with pytest.raises(SystemExit) as e: zo.main(argv + ["--seed", "1"])  # another seed: another synthetic chain than the run's
   err = capsys.readouterr().err
-  assert e.value.code == 2 and err.startswith(f"zo: error: --cosine --resume: {out / 'full'} was trained with other seed"), err
+  assert e.value.code == 2 and err.startswith(f"zo: error: --cosine --resume: {out / 'full'} is a run of --seed 0, not --seed 1"), err
 
 # ***** 8. the looped model's memory *****
 

@@ -139,7 +139,7 @@ def test_init_from_a_run(tmp_path:Path):
   assert first["step"] == 0 and abs(first["val_loss"] - last) < 1e-6, (first, last)
   assert json.load(open(tmp_path / "ft" / "config.json"))["init"] == str(src)
   for flags, says in ((["--vocab", "32"], f"--init {src}: that run's model is another: --vocab 64 there, 32 here"),
-                      (["--init", str(tmp_path / "none")], "no run there"),):
+                      (["--init", str(tmp_path / "none")], f"--init: no run in {tmp_path / 'none'}"),):
     r = cli(*RUN, "--method", "mezo", "--steps", "1", "--init", str(src), *flags, "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr[-2000:]
 
