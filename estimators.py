@@ -24,7 +24,7 @@ from tinygrad import Tensor
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import shares, spread
-from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Entry, Option, Run, estimator
+from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Entry, Option, Run, activations, estimator
 import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
@@ -103,7 +103,17 @@ def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
   """coef_k = (L(θ + εz_k) − L(θ − εz_k)) / (2εK), and the mean loss."""
   return (losses[:, 0] - losses[:, 1]) / (2 * eps * losses.shape[0]), losses.mean()
 
+def per_call(run:Run, draws:int) -> int:  # the draws of a population forward's call, each the batch at both signs
+  return engine.per_call(draws, run.tokens // run.steps, TOKENS)
+
+def es_memory(run:Run) -> float|None:
+  """A call's activations, and under full-rank noise a copy of the weights for each of its members."""
+  pairs, m = per_call(run, run.pop // 2), run.model
+  if (held := activations(m, 2 * pairs * run.tokens // run.steps)) is None: return None
+  return held + (run.options["rank"] == 0) * 2 * pairs * m.num_params() * m.dtype.itemsize
+
 @estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"), forwards=lambda run: 2 * run.pop,
+           memory=lambda run: activations(run.model, 2 * per_call(run, run.pop) * run.tokens // run.steps),
            eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
@@ -130,7 +140,7 @@ def pairs(run:Run):
   spread_draws(run, run.pop // 2, "antithetic pair")
 
 @estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
-           forwards=lambda run: run.pop,
+           forwards=lambda run: run.pop, memory=es_memory,
            sigma=Option("the perturbation scale σ", check=POSITIVE),
            shaping=Option("fitness shaping: centred ranks, z-scores or the raw fitness",
                           choices=("rank", "zscore", "none")),
@@ -167,6 +177,7 @@ def backprop_pass(model, x:Tensor, y:Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 # the release's baseline: under SGD wte's lr is 1000 (it feeds an RMSNorm, so its gradient is tiny)
 @estimator("backprop", keyed=False, forwards=lambda run: 3,  # a forward, and a backward of twice its work
+           memory=lambda run: activations(run.model, run.tokens // run.steps, kept=True),
            defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
   """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is

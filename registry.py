@@ -20,8 +20,9 @@ doesn't take is refused. Besides its options, it may name any of the run's value
 
 It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer,
 or a function of the Run that gives one), `check(run)`, which raises ValueError for a run it can't do, before
-anything is written, and `forwards(run)`, the network forwards a step's arithmetic needs (what tests/bench.py and the
-fine-tuning race count a step's cost in).
+anything is written, `forwards(run)`, the network forwards a step's arithmetic needs (what tests/bench.py and the
+fine-tuning race count a step's cost in), and `memory(run)`, the bytes of activations and draws a step holds at once
+(what the command line's memory check adds to the parameters; `activations` counts a forward's).
 """
 from __future__ import annotations
 import functools, inspect, math
@@ -76,6 +77,7 @@ class Entry:
   check:Callable[[Run], None]|None
   keyed:bool  # False: fn draws no noise, and gets no key
   forwards:Callable[[Run], float]|None  # the forwards a step's arithmetic needs; None: not declared
+  memory:Callable[[Run], float|None]|None  # the bytes a step holds at once beside the parameters; None: one forward's
 
   @functools.cached_property  # read at every step, by the loop
   def takes(self) -> set[str]: return set(inspect.signature(self.fn).parameters)  # the names the function takes
@@ -92,15 +94,29 @@ ESTIMATORS:dict[str, Entry] = {}
 
 def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults]=STANDARD,
               check:Callable[[Run], None]|None=None, keyed:bool=True,
-              forwards:Callable[[Run], float]|None=None, **options:Option) -> Callable[[Callable], Callable]:
+              forwards:Callable[[Run], float]|None=None, memory:Callable[[Run], float|None]|None=None,
+              **options:Option) -> Callable[[Callable], Callable]:
   """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's
-  defaults, a check of the run and the forwards a step needs."""
+  defaults, a check of the run, the forwards a step needs and the memory it holds."""
   def register(fn:Callable) -> Callable:
     params = inspect.signature(fn).parameters
     for o in options:
       if o not in params or params[o].default is inspect.Parameter.empty:
         raise TypeError(f"estimator {name}: option {o!r} must be a keyword argument of {fn.__name__} with a default")
       if o in RUN_VALUES: raise TypeError(f"estimator {name}: {o!r} is a run value, not an option")
-    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards)
+    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards, memory)
     return fn
   return register
+
+def activations(model, tokens:float, kept:bool=False) -> float|None:
+  """The bytes of activations a forward of `tokens` tokens holds at once, in the model's compute dtype, for the GPT and
+  the looped model (None for a model of other shapes): per token the logits, and a block's widest moment, its
+  attention's scores over the context beside two widths, or its MLP's input and hidden layer (five widths). `kept`:
+  every block's (or loop's) activations at once, as backprop's graph and Dust's capture keep them: its scores and their
+  softmax, and 16 widths (q, k, v, the attention's output, the MLP's hidden layer before and after its activation, the
+  norms' and the residual's). Measured against tinygrad's allocations on the CPU (tests/test_robust.py)."""
+  c = model.cfg
+  if not all(hasattr(c, a) for a in ("n_embd", "n_head", "seq_len", "vocab")): return None
+  blocks, scores = getattr(c, "n_layer", getattr(c, "loops", 1)), c.n_head * c.seq_len
+  per_token = blocks * (2 * scores + 16 * c.n_embd) if kept else max(scores + 2 * c.n_embd, 5 * c.n_embd)
+  return tokens * (per_token + c.vocab) * model.dtype.itemsize

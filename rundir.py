@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 from tinygrad import Device, Tensor
 from data import BPE, Bytes
 from optim import Optimizer
-from registry import ESTIMATORS
+from registry import ESTIMATORS, Entry, Run, activations
 
 class UsageError(Exception): pass  # a mistake the user can fix: one line, exit code 2, no traceback
 
@@ -275,18 +275,21 @@ def logged_step(line:str) -> float:  # a line torn by a crash mid-write counts a
   try: return json.loads(line)["step"]
   except (ValueError, KeyError, TypeError): return math.inf
 
-def check_memory(args, model):
-  """A step whose memory plainly exceeds the machine's, refused before any work or any file. A lower bound of a step's
-  memory: one forward's tokens hold at once an MLP's input and hidden layer (1 + 4 widths) or the head's input and
-  logits (a width and the vocab), each a matmul's output, in the compute dtype. The peak is higher (the estimators batch
-  several draws a forward): --batch 100000 at the tiny preset held 9 GB in its first step on the CPU. The sizes an
-  estimator's kernels can't index are its own check's."""
-  B, T = args.batch, args.seq
-  need, have = (B * T * max(5 * model.cfg.n_embd, model.cfg.n_embd + model.cfg.vocab) * model.dtype.itemsize,
-                device_memory())
-  if have and need > have:
-    raise UsageError(f"--batch {B} --seq {T}: a step needs at least {need / 2**30:,.1f} GiB, this machine has "
-                     f"{have / 2**30:,.1f} GiB: --batch {max(1, B * have // need):,} may fit")
+def memory(args, entry:Entry, job:Run) -> float|None:
+  """The bytes a step holds at once: the activations and draws its estimator declares (registry.py; else one forward of
+  the batch), the parameters, and their optimizer state and update (three copies more); None for a model of other
+  shapes. Within 2x of tinygrad's measured peak for the tiny and small presets on the CPU (tests/test_robust.py)."""
+  held = entry.memory(job) if entry.memory else activations(job.model, args.batch * args.seq)
+  return None if held is None else held + 4 * job.model.num_params() * 4
+
+def check_memory(args, entry:Entry, job:Run):
+  """A step that can't fit the machine's memory, refused before any work or any file, with the size it needs
+  (--batch 100000 at the tiny preset: 123 GiB by this; it was killed at 24 GB). The sizes an estimator's kernels can't
+  index are its own check's."""
+  if (need := memory(args, entry, job)) and (have := device_memory()) and need > have:
+    raise UsageError(f"--batch {args.batch} --seq {args.seq}: a step of --method {args.method} needs about "
+                     f"{need / 2**30:,.1f} GiB, this machine has {have / 2**30:,.1f} GiB: --batch "
+                     f"{max(1, int(args.batch * have / need)):,} may fit")
 
 def device_memory() -> int|None:  # the CPU's is the machine's RAM; tinygrad doesn't tell a GPU's
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if Device.DEFAULT.split(":")[0] == "CPU" else None

@@ -76,7 +76,7 @@ def train(args):
             if k not in ("resume", "force", "cosine", "sample", "prompt", "temperature", "top_k")}
   # a step's cost in network forwards, as its estimator declares (registry.py): the x-axis of compute-fair comparisons
   config["forwards_per_step"] = entry.forwards(job) if entry.forwards else None
-  check_memory(args, model)
+  check_memory(args, entry, job)
   init_from(args, model)
   # what the estimator keeps from step to step (registry.py): its own at the first step, or --resume's
   state:dict[str, Tensor] = {}

@@ -584,6 +584,9 @@ def refused(tmp:Path) -> dict:
           "pop es": (["--method", "es", "--pop", 10**9], ["--pop 1000000000", "33,554,434"], {}),
           "pop dust": (["--method", "dust", "--optim", "adamw", "--pop", 4096 * 30000], ["--pop 122880000", "16,777,217"], {}),
           "memory": (["--batch", 10**8], ["--batch 100000000", "GiB", "may fit"], {}),
+          # the issue's: the default Dust step at the tiny preset, once estimated at 4 GB, compiled for 214 s and was killed at 24 GB
+          "memory dust": (["--method", "dust", "--pop", 1024, "--seq", 64, "--batch", 100_000],
+                          ["--batch 100000 --seq 64: a step of --method dust needs about", "GiB", "may fit"], {}),
           "out under a file": (["--out", tmp / "afile" / "run"], [str(tmp / "afile" / "run"), "Not a directory"], {}),
           "out too long": (["--out", long], [str(long), "File name too long"], {}),
           "out empty": (["--out", ""], ["--out is empty"], {}),
@@ -596,8 +599,8 @@ def refused(tmp:Path) -> dict:
 # protects: sizes the kernels can't index or the machine can't hold, a bad --out or DEV, a folder whose files can't be deleted or
 # written and a log without a checkpoint stop before any work with exit 2 and one line naming the problem (and where it leads: --force),
 # no traceback, and nothing in --out changes but its lock file
-@pytest.mark.parametrize("case", ["pop mezo", "pop es", "pop dust", "memory", "out under a file", "out too long", "out empty", "bad DEV",
-                                  "log without checkpoint", "resume without checkpoint", "force undeletable", "log unwritable"])
+@pytest.mark.parametrize("case", ["pop mezo", "pop es", "pop dust", "memory", "memory dust", "out under a file", "out too long", "out empty",
+                                  "bad DEV", "log without checkpoint", "resume without checkpoint", "force undeletable", "log unwritable"])
 def test_refused_before_any_work(case:str, tmp_path:Path):
   args, words, env = refused(tmp_path)[case]
   def state() -> dict: return {str(f): f.is_dir() or f.read_bytes() for f in tmp_path.rglob("*") if f.name != "lock" and not f.is_symlink()}
