@@ -3,24 +3,23 @@
 
 The estimators are in estimators.py (MeZO, ES) and dust.py (Dust), each declared with its flags and defaults
 (registry.py), the optimizer in optim.py, the models in model.py; README has the math. The run folder (config.json,
-checkpoints, the lock, --resume, --init) is rundir.py; --sample is sampling.py, --cosine cosine.py. How zo runs fast on
-tinygrad is in engine.py, and which kernels run where in kernels/__init__.py.
+checkpoints, the lock, --resume, --init) is rundir.py; the flags made from the registry and their checks flags.py;
+--sample is sampling.py, --cosine cosine.py. How zo runs fast on tinygrad is in engine.py, and which kernels run where in
+kernels/__init__.py.
 """
 from __future__ import annotations
-import argparse, importlib, importlib.util, math, os, signal, sys, time, typing
-from typing import Any, Callable
+import argparse, math, os, signal, sys, time
 import numpy as np
 from tqdm import tqdm
 from tinygrad import Device, Tensor, dtypes
 from data import BPE
-from devices import names
 # estimators.py registers MeZO, ES, backprop, (dust.py) Dust and (zoo.py) the zoo
 from estimators import Compact, Flat, at_step, carried, run, step_key, values
 from optim import Optimizer, learning_rates
-from registry import ESTIMATORS, Entry, Run
+from registry import ESTIMATORS, Run
 from rundir import (IDENTITY, UsageError, append, check_memory, init_from, load_checkpoint, on_signals, prepare,
-                    read_config, same_run, save, text_tokenizer, typed)
-import cosine, engine, kernels, rundir, sampling
+                    read_config, same_run, save, text_tokenizer)
+import cosine, engine, flags, kernels, rundir, sampling
 
 # ***** training: evaluation, the loop *****
 
@@ -183,9 +182,9 @@ def sample(args):
 # ***** the command line *****
 
 def parse(argv:list[str]|None=None) -> argparse.Namespace:
-  plugins(argv)
+  flags.plugins(argv)
   p = argparse.ArgumentParser(description="Train a GPT with forward passes only (zeroth-order estimators).",
-                              formatter_class=DefaultOnce)
+                              formatter_class=flags.DefaultOnce)
   p.add_argument("--method", default="dust", choices=tuple(ESTIMATORS),
                  help="gradient estimator (estimators.py); backprop is the reference baseline")
   p.add_argument("--pop", type=int, nargs="+", default=[1024], help="population: the draws of a step (the method's "
@@ -237,131 +236,10 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE", help="a file or module of your "
                  "own estimators, imported before the flags are read, so that its methods and their flags are there "
                  "(docs/estimator.md)")
-  option_flags(p)
+  flags.option_flags(p)
   args = p.parse_args(argv)
   args.pops, args.pop = args.pop, args.pop[0]
-  for flag, value, ok, need in checks(args):
-    # one line
-    if value is not None and not ok(value): p.exit(2, f"zo: error: --{typed(flag)} {value}: must be {need}\n")
-  if len(args.pops) > 1 and not args.cosine: p.error("several --pop values only make sense with --cosine")
-  for flag, given, why in idle(method_options(p, args), p):
-    if not given: continue
-    v = getattr(args, "pops" if flag == "pop" else flag)
-    shown = " ".join(map(str, v)) if isinstance(v, list) else "" if v is True else repr(v) if isinstance(v, str) else v
-    p.exit(2, f"zo: error: --{typed(flag)} {shown}".rstrip() + f": {why}\n")
-  return args
-
-class DefaultOnce(argparse.HelpFormatter):
-  """--help with each flag's default once: argparse's, where the help doesn't say it and there is one to say."""
-  def _get_help_string(self, action:argparse.Action) -> str:
-    if "default:" in action.help or action.default in (None, False, [], argparse.SUPPRESS): return action.help
-    return f"{action.help} (default: %(default)s)"
-
-def idle(args:argparse.Namespace, p:argparse.ArgumentParser) -> list[tuple[str, bool, str]]:
-  """The flags that would do nothing in this run, each (flag, whether it is given, why it does nothing)."""
-  entry, gpt = ESTIMATORS[args.method], args.model != "looped"
-  return [*[(f, gpt and getattr(args, f) is not None, "a GPT has no loops (--model looped has)")
-            for f in ("loops", "eval_loops")],
-          ("pop", not entry.keyed and args.pops != p.get_default("pop"),
-           f"--method {args.method} draws nothing: its step is one gradient"),
-          ("replay", args.replay > 0 and args.optim != "sgd", "only SGD's momentum is replayed, not AdamW's moments"),
-          ("replay", args.replay > 0 and not replayable(entry),
-           f"an estimate of --method {args.method} is not a list of seeds to replay: keep its momentum (--replay 0)"),
-          ("force", args.force and args.resume, "--resume overwrites nothing"),
-          *[(f, not args.sample and getattr(args, f) != p.get_default(f), "only --sample uses it")
-            for f in ("prompt", "temperature", "top_k")]]
-
-def replayable(entry:Entry) -> bool:
-  """Whether the method's estimate is a Compact (a key and a coefficient a direction), whose momentum --replay rebuilds
-  from its seeds: as its function's return annotation says; where it says nothing, the optimizer tells at the first
-  step."""
-  try: kind = typing.get_args(typing.get_type_hints(entry.fn).get("return"))[:1]
-  except NameError: return True
-  return kind in ((), (Compact,))
-
-def option_flags(p:argparse.ArgumentParser):
-  """A flag for every option of every estimator, in a group per method (--help). An option that several methods declare
-  is one flag, in the first one's group. No default here: the method's own fills in a flag not given, and a given flag
-  the method doesn't take is refused (method_options)."""
-  declared:dict[str, list[Entry]] = {}
-  for e in ESTIMATORS.values():
-    for o in e.options: declared.setdefault(o, []).append(e)
-  groups = {}
-  for name, e in ESTIMATORS.items():
-    doc = " ".join((e.fn.__doc__ or "").split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
-    takes = ", ".join(f"--{typed(o)}" for o in e.options) or "no options"
-    groups[name] = p.add_argument_group(f"--method {name}", f"{doc}. Takes {takes}.")
-  for o, es in declared.items():
-    first, opt = es[0], es[0].options[o]
-    helps = [f"{e.name}: {e.options[o].help} (default: {e.default(o)})" for e in es]
-    groups[first.name].add_argument(f"--{typed(o)}", dest=o, type=type(first.default(o)), choices=opt.choices,
-                                    default=argparse.SUPPRESS,
-                                    help="; ".join(helps))
-
-def method_options(p:argparse.ArgumentParser, args:argparse.Namespace) -> argparse.Namespace:
-  """args with the method's options (given, or the method's defaults) and no other method's; a flag the method doesn't
-  take is refused in one line, with what it takes."""
-  entry = ESTIMATORS[args.method]
-  declared = {o for e in ESTIMATORS.values() for o in e.options}
-  for o in sorted(declared & vars(args).keys() - entry.options.keys()):
-    takes = ", ".join(f"--{typed(t)}" for t in entry.options) or "no options"
-    p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: --method {args.method} does not take --{typed(o)} "
-           f"(it takes {takes})\n")
-  for o, opt in entry.options.items():
-    if o not in args: setattr(args, o, entry.default(o))
-    elif opt.check and not opt.check[0](getattr(args, o)):
-      p.exit(2, f"zo: error: --{typed(o)} {getattr(args, o)}: must be {opt.check[1]}\n")
-  return args
-
-def plugins(argv:list[str]|None) -> None:
-  """Import each --plugin before the parser is made: its @estimator declarations add methods and flags."""
-  pre = argparse.ArgumentParser(add_help=False)
-  pre.add_argument("--plugin", action="append", default=[])
-  for spec in pre.parse_known_args(argv)[0].plugin:
-    if spec.endswith(".py"):
-      if not os.path.isfile(spec): pre.exit(2, f"zo: error: --plugin {spec}: no such file\n")
-      found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(spec))[0], spec)
-      found.loader.exec_module(importlib.util.module_from_spec(found))
-    else:
-      try: importlib.import_module(spec)
-      except ModuleNotFoundError as e: pre.exit(2, f"zo: error: --plugin {spec}: {e}\n")
-
-def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool], str]]:
-  """Every numeric flag of the run, its value (None: not given) and what it must be; the estimators' own are checked by
-  their Options."""
-  counts = [(f, getattr(args, f), lambda v: v >= 1, "at least 1")
-            for f in ("batch", "eval_every", "ckpt_every", "steps", "tokens", "seq", "loops", "eval_loops", "devices",
-                      "sample", "top_k")]
-  return [("pop", min(args.pops), lambda v: v >= 1, "at least 1"), *counts,
-          ("vocab", args.vocab, lambda v: v >= 2, "at least 2"),
-          ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"),
-          *[(f, getattr(args, f), lambda v: math.isfinite(v) and v > 0, "positive and finite")
-            for f in ("lr", "temperature")],
-          ("momentum", args.momentum, lambda v: 0 <= v < 1, "in [0, 1)"),
-          ("warmdown", args.warmdown, lambda v: 0 <= v <= 1, "in [0, 1]")]
-
-def default_device() -> str:
-  """The device tinygrad picks, opened: DEV names one (DEV=CUDA), or tinygrad tries each of its backends."""
-  try: device = Device.DEFAULT
-  except Exception: raise UsageError("tinygrad found no usable device: install clang for the CPU backend "
-                                     "(apt-get install clang), or run on a GPU with DEV=CUDA / DEV=AMD / "
-                                     "DEV=METAL") from None
-  try: Device[device]
-  except Exception as e:
-    raise UsageError(f"DEV={os.environ.get('DEV', device)}: tinygrad cannot open device {device} "
-                     f"({type(e).__name__}: {e}); its backends are {', '.join(engine.backends())}") from None
-  return device
-
-def check_devices(args:argparse.Namespace):
-  """--devices N: N devices of the default backend (DEV, DEV:1, ...), for a method that names `devices` (its check says
-  how many its population can use)."""
-  n = args.devices
-  if n == 1: return
-  if "devices" not in ESTIMATORS[args.method].takes:
-    raise UsageError(f"--devices {n}: {args.method} runs on one device")
-  for d in names(Device.DEFAULT, n):
-    try: Device[d]
-    except Exception as e: raise UsageError(f"--devices {n}: {d} does not open ({type(e).__name__}: {e})") from None
+  return flags.allowed(p, args)
 
 def device_defaults(args, device:str):
   """The default run of each kind of device (README): on a GPU the small model and 500,000 tokens; on the CPU the tiny
@@ -376,8 +254,8 @@ def main(argv:list[str]|None=None):
   from data import DataError
   args = parse(argv)
   try:
-    device_defaults(args, default_device())
-    check_devices(args)
+    device_defaults(args, flags.default_device())
+    flags.check_devices(args)
     sample(args) if args.sample else cosine_table(args) if args.cosine else train(args)
   except (UsageError, DataError, ValueError) as e:
     print(f"zo: error: {e}", file=sys.stderr)
