@@ -106,14 +106,14 @@ def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
 def per_call(run:Run, draws:int) -> int:  # the draws of a population forward's call, each the batch at both signs
   return engine.per_call(draws, run.tokens // run.steps, TOKENS)
 
-def es_memory(run:Run) -> float|None:
-  """A call's activations, and under full-rank noise a copy of the weights for each of its members."""
-  pairs, m = per_call(run, run.pop // 2), run.model
-  if (held := activations(m, 2 * pairs * run.tokens // run.steps)) is None: return None
-  return held + (run.options["rank"] == 0) * 2 * pairs * m.num_params() * m.dtype.itemsize
+def population_memory(run:Run, draws:int, full_rank:bool) -> float|None:
+  """A population call's activations, and under full-rank noise a copy of the weights for each of its draws."""
+  c, m = per_call(run, draws), run.model
+  if (held := activations(m, 2 * c * run.tokens // run.steps)) is None: return None
+  return held + full_rank * c * m.num_params() * m.dtype.itemsize
 
 @estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"), forwards=lambda run: 2 * run.pop,
-           memory=lambda run: activations(run.model, 2 * per_call(run, run.pop) * run.tokens // run.steps),
+           memory=lambda run: population_memory(run, run.pop, full_rank=True),
            eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
@@ -140,7 +140,8 @@ def pairs(run:Run):
   spread_draws(run, run.pop // 2, "antithetic pair")
 
 @estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
-           forwards=lambda run: run.pop, memory=es_memory,
+           forwards=lambda run: run.pop,
+           memory=lambda run: population_memory(run, run.pop // 2, full_rank=run.options["rank"] == 0),
            sigma=Option("the perturbation scale σ", check=POSITIVE),
            shaping=Option("fitness shaping: centred ranks, z-scores or the raw fitness",
                           choices=("rank", "zscore", "none")),
