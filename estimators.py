@@ -227,6 +227,3 @@ def at_step(entry:Entry, step:int) -> dict[str, Tensor]:
   """The step, for an estimator that names it: a float32 scalar in a buffer of its own, so that a schedule computed from
   it is data of the kernels, not a constant compiled into them."""
   return {"step": engine.tensor(np.array(step, np.float32))} if "step" in entry.takes else {}
-
-# zoo.py registers HiZOO, LOZO, ConMeZO and ZO-Muon (it imports spsa from here, so it comes last)
-import zoo  # noqa: E402, F401

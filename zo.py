@@ -13,13 +13,13 @@ import numpy as np
 from tqdm import tqdm
 from tinygrad import Device, Tensor, dtypes
 from data import BPE
-# estimators.py registers MeZO, ES, backprop, (dust.py) Dust and (zoo.py) the zoo
+# estimators.py registers MeZO, ES, backprop and (dust.py) Dust; zoo.py, built on estimators.py, the zoo (as a plugin is)
 from estimators import Compact, Flat, at_step, carried, run, step_key, values
 from optim import Optimizer, learning_rates
 from registry import ESTIMATORS, Run
 from rundir import (IDENTITY, UsageError, append, check_memory, init_from, load_checkpoint, on_signals, prepare,
                     read_config, same_run, save, text_tokenizer)
-import cosine, engine, flags, kernels, rundir, sampling
+import cosine, engine, flags, kernels, rundir, sampling, zoo  # noqa: F401
 
 # ***** training: evaluation, the loop *****
 
