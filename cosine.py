@@ -33,7 +33,7 @@ def table(args, flag:str|None, model, tok:Bytes|BPE, job:Run):
   where = "initialisation"
   if flag:
     lock(args.out)  # no training run writes the checkpoint while it is read
-    where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]} in {args.out}"
+    where = f"the checkpoint of step {load_checkpoint(args.out, model, flag, keep='param.')[1]['step']} in {args.out}"
   entry = ESTIMATORS[args.method]
   for pop in args.pops:  # a run the estimator can't do stops before any work
     if entry.check: entry.check(replace(job, pop=pop))

@@ -42,6 +42,7 @@ def idle(args:argparse.Namespace, p:argparse.ArgumentParser) -> list[tuple[str, 
           ("replay", args.replay > 0 and not replayable(entry),
            f"an estimate of --method {args.method} is not a list of seeds to replay: keep its momentum (--replay 0)"),
           ("force", args.force and args.resume, "--resume overwrites nothing"),
+          ("best", args.best and not (args.sample or args.init), "only --sample and --init read the kept best weights"),
           *[(f, not args.sample and getattr(args, f) != p.get_default(f), "only --sample uses it")
             for f in ("prompt", "temperature", "top_k")]]
 
@@ -105,7 +106,7 @@ def checks(args:argparse.Namespace) -> list[tuple[str, Any, Callable[[Any], bool
   their Options."""
   counts = [(f, getattr(args, f), lambda v: v >= 1, "at least 1")
             for f in ("batch", "eval_every", "ckpt_every", "steps", "tokens", "seq", "loops", "eval_loops", "devices",
-                      "sample", "top_k")]
+                      "sample", "top_k", "patience")]
   return [("pop", min(args.pops), lambda v: v >= 1, "at least 1"), *counts,
           ("vocab", args.vocab, lambda v: v >= 2, "at least 2"),
           ("replay", args.replay, lambda v: v >= 0, "0 (a momentum buffer) or a number of steps"),

@@ -3,6 +3,7 @@ tokenizer, and the signals that stop a run with its checkpoint saved. Everything
 before the folder changes."""
 from __future__ import annotations
 import contextlib, fcntl, json, math, os, signal, socket, sys, threading
+from dataclasses import dataclass
 from typing import Any, Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -14,21 +15,35 @@ from registry import ESTIMATORS, Entry, Run, activations
 
 class UsageError(Exception): pass  # a mistake the user can fix: one line, exit code 2, no traceback
 
-def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=None):
-  """Atomic: write a temp file, fsync it, rename it over the old checkpoint, so a crash mid-save leaves the previous one
+@dataclass
+class Best:
+  """The best val loss so far, its step, and the evaluations since then that brought no better one: the run's state for
+  --patience and --keep-best, saved in the checkpoint's metadata, so that both go on exactly after --resume."""
+  val:float = math.inf
+  step:int = -1
+  since:int = 0
+
+  def seen(self, step:int, val:float) -> bool:
+    """Count an evaluation: True when it is a new best."""
+    if val < self.val:
+      self.val, self.step, self.since = val, step, 0
+      return True
+    self.since += 1
+    return False
+
+def write(path:str, tensors:dict[str, np.ndarray], metadata:dict[str, str], what:str):
+  """Atomic: write a temp file, fsync it, rename it over the old one, so a crash mid-write leaves the previous one
   intact. Written from host copies by the safetensors package: tinygrad's safe_save goes through its CPU device, which
   compiles helper programs with clang even under DEV=CUDA, so a GPU machine without clang lost the whole run at its
   first checkpoint. Weights that are not all finite are never written: the run stops, the previous checkpoint kept. A
   write that fails (a full disk, a file size limit, permissions) stops the run with the path and the OS's error, the
-  temp file removed and the previous checkpoint as it was."""
-  path, tmp = os.path.join(out, "model.safetensors"), os.path.join(out, "model.safetensors.tmp")
-  tensors = {k: t.numpy() for k, t in {**{f"param.{n}": p for n, p in model.params.items()}, **opt.state(),
-                                       **{f"state.{k}": t for k, t in (state or {}).items()}}.items()}
+  temp file removed and the previous file as it was."""
+  tmp, ckpt, step = f"{path}.tmp", os.path.join(os.path.dirname(path), "model.safetensors"), metadata["step"]
   if bad := next((k for k, a in tensors.items() if k.startswith("param.") and not np.isfinite(a).all()), None):
     raise UsageError(f"step {step}: the weights of {bad.removeprefix('param.')} are not finite: diverged, and not "
-                     f"saved; {kept(path)}")
+                     f"saved; {kept(ckpt)}")
   try:
-    save_file(tensors, tmp, metadata={"step": str(step)})
+    save_file(tensors, tmp, metadata=metadata)
     mask = os.umask(0)
     os.umask(mask)
     # safetensors creates its file private (0600); a checkpoint gets the mode of any file the user writes
@@ -37,7 +52,22 @@ def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=N
     os.replace(tmp, path)
   except (OSError, SafetensorError) as e:
     with contextlib.suppress(OSError): os.remove(tmp)
-    raise UsageError(f"cannot write the checkpoint of step {step} to {tmp}: {e}; {kept(path)}") from None
+    raise UsageError(f"cannot write the {what} of step {step} to {tmp}: {e}; {kept(ckpt)}") from None
+
+def params(model) -> dict[str, np.ndarray]: return {f"param.{n}": p.numpy() for n, p in model.params.items()}
+
+def save(out:str, model, opt:Optimizer, step:int, state:dict[str, Tensor]|None=None, best:Best|None=None):
+  """The checkpoint of a step: the weights, the optimizer's and the estimator's state, and the best val so far."""
+  tensors = params(model) | {k: t.numpy() for k, t in {**opt.state(),
+                                                       **{f"state.{k}": t for k, t in (state or {}).items()}}.items()}
+  write(os.path.join(out, "model.safetensors"), tensors, {"step": str(step), "best": json.dumps(vars(best or Best()))},
+        "checkpoint")
+
+def keep_best(out:str, model, best:Best):
+  """--keep-best: the weights of the best val so far, OUT/best.safetensors, with their step and val in its metadata."""
+  write(os.path.join(out, BEST), params(model), {"step": str(best.step), "val_loss": repr(best.val)}, "best weights")
+
+BEST = "best.safetensors"  # --keep-best's weights, which --sample --best and --init RUN --best read
 
 def kept(path:str) -> str:
   """What a stopped run keeps of its checkpoints: the one at `path`, named by its step, or none."""
@@ -45,16 +75,19 @@ def kept(path:str) -> str:
     with safe_open(path, "np") as f: return f"the checkpoint of step {f.metadata()['step']} in {path} is kept"
   except (OSError, SafetensorError, KeyError, TypeError): return "no checkpoint is saved"
 
-def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Tensor], int]:
-  """The model's parameters set from the checkpoint in out; returns the checkpoint's tensors whose names start with
-  `keep`, and its step."""
-  path = os.path.join(out, "model.safetensors")
-  hint = f"--force starts the run in {out} over" if flag == "--resume" else "train a run there first"
+def load_checkpoint(out:str, model, flag:str, keep:str="", name:str="model.safetensors") -> tuple[dict[str, Tensor],
+                                                                                                 dict[str, Any]]:
+  """The model's parameters set from the checkpoint `name` in out (or the kept best weights, BEST); returns the
+  checkpoint's tensors whose names start with `keep`, and its metadata, its step an int."""
+  path = os.path.join(out, name)
+  hint = (f"--force starts the run in {out} over" if flag == "--resume" else
+          "a run with --keep-best keeps them" if name == BEST else "train a run there first")
   # a run killed before its first save
   if not os.path.exists(path): raise UsageError(f"{flag}: no checkpoint at {path}; {hint}")
   try:
     with safe_open(path, "np") as f:
-      st, step = {k: Tensor(f.get_tensor(k)) for k in f.keys() if k.startswith(keep)}, int((f.metadata() or {})["step"])
+      st, meta = {k: Tensor(f.get_tensor(k)) for k in f.keys() if k.startswith(keep)}, f.metadata() or {}
+    meta["step"] = int(meta["step"])
   except (OSError, SafetensorError, KeyError, ValueError) as e:
     problem = "no step in its metadata" if isinstance(e, KeyError) else str(e)
     raise UsageError(f"{flag}: cannot read the checkpoint {path} ({problem}); {hint}") from None
@@ -63,15 +96,16 @@ def load_checkpoint(out:str, model, flag:str, keep:str="") -> tuple[dict[str, Te
       what = "no" if f"param.{n}" not in st else f"a {st[f'param.{n}'].shape} (the model's is {p.shape})"
       raise UsageError(f"{flag}: {path} holds another model: {what} tensor param.{n}; {hint}")
     p.assign(st[f"param.{n}"].to(p.device)).realize()
-  return st, step
+  return st, meta
 
-def resume(out:str, model, opt:Optimizer, state:dict[str, Tensor]|None=None) -> int:
-  """The run's weights, optimizer and estimator state (into `state`) from its checkpoint; the step to go on from."""
-  st, step = load_checkpoint(out, model, "--resume")
+def resume(out:str, model, opt:Optimizer, state:dict[str, Tensor]|None=None) -> tuple[int, Best]:
+  """The run's weights, optimizer and estimator state (into `state`) from its checkpoint; the step to go on from, and
+  the best val so far (a checkpoint from before --patience: none yet)."""
+  st, meta = load_checkpoint(out, model, "--resume")
   opt.load(st)
   if state is not None:
     state.update({k.removeprefix("state."): t.contiguous().realize() for k, t in st.items() if k.startswith("state.")})
-  return step
+  return meta["step"], Best(**json.loads(meta.get("best", "{}")))
 
 def init_from(args, model):
   """--init RUN: the model's weights from another run's checkpoint, where this run then starts with a fresh optimizer at
@@ -82,7 +116,7 @@ def init_from(args, model):
   if diff := [k for k in ("model", "vocab", "loops") if src[k] != getattr(args, k)]:
     raise UsageError(f"--init {args.init}: that run's model is another: " +
                      ", ".join(f"--{typed(k)} {src[k]} there, {getattr(args, k)} here" for k in diff))
-  load_checkpoint(args.init, model, "--init", keep="param.")
+  load_checkpoint(args.init, model, "--init", keep="param.", name=BEST if args.best else "model.safetensors")
 
 
 def text_tokenizer(args, flag:str|None=None, sha256:str|None=None) -> Bytes|BPE:
@@ -114,19 +148,21 @@ KEYS = {"method": (str,), "model": (str,), "vocab": (int, None), "loops": (int, 
         "data": (str,), "data_sha256": (str, None), "tokenizer": (str,), "tokenizer_sha256": (str, None),
         "init": (str, None), "seed": (int,), "batch": (int,), "seq": (int,), "pop": (int,), "optim": (str,),
         "lr": (float, None), "momentum": (float, None), "warmdown": (float, None), "replay": (int,),
-        "steps": (int, None), "tokens": (int, None)}
+        "steps": (int, None), "tokens": (int, None), "best": (bool,)}
 # the keys that a run from before them lacks, and what such a run had
-SINCE = {"tokenizer": "bytes", "data_sha256": None, "tokenizer_sha256": None, "init": None}
+SINCE = {"tokenizer": "bytes", "data_sha256": None, "tokenizer_sha256": None, "init": None, "best": False}
 # What decides a run's data and estimates, besides its method's options: --resume refuses another value of any. The
 # data's content and the tokenizer are checked by their sha256 (same_run, text_tokenizer).
-IDENTITY = ("method", "model", "vocab", "loops", "eval_loops", "data", "tokenizer", "init", "seed", "batch", "seq",
-            "pop", "optim", "lr", "momentum", "warmdown", "replay")
-# what --resume may change: the run's length (and so its lr schedule's), the intervals, the devices
-FREE = ("steps", "tokens", "eval_every", "ckpt_every", "devices")
+IDENTITY = ("method", "model", "vocab", "loops", "eval_loops", "data", "tokenizer", "init", "best", "seed", "batch",
+            "seq", "pop", "optim", "lr", "momentum", "warmdown", "replay")
+# what --resume may change: the run's length (and so its lr schedule's), the intervals, the devices, when to stop early
+# and whether to keep the best weights
+FREE = ("steps", "tokens", "eval_every", "ckpt_every", "devices", "patience", "keep_best")
 
-def is_json(v:Any, types:tuple) -> bool:  # an integer is a number too; a bool is none
+def is_json(v:Any, types:tuple) -> bool:  # an integer is a number too; a bool is no number
   if v is None: return None in types
-  return not isinstance(v, bool) and isinstance(v, tuple(t for t in types if t) + ((int,) if float in types else ()))
+  if isinstance(v, bool): return bool in types
+  return isinstance(v, tuple(t for t in types if t) + ((int,) if float in types else ()))
 
 def described(types:tuple) -> str:
   names = {str: "a string", int: "an integer", float: "a number"}
@@ -197,17 +233,18 @@ def files(what:str):
   except OSError as e:
     raise UsageError(f"{what}: {e.filename}: {e.strerror}" if e.filename else f"{what}: {e}") from None
 
-def prepare(args, config:dict, steps:int, model, opt:Optimizer, state:dict[str, Tensor]) -> tuple[int, float]:
+def prepare(args, config:dict, steps:int, model, opt:Optimizer, state:dict[str, Tensor]) -> tuple[int, float, Best]:
   """The run folder made ready under its lock, each check before anything changes: --resume's checkpoint loaded (a
   run of fewer steps than it holds is refused) and its log trimmed to it; or a fresh run's refusal of another run's
   folder, or --force's deletion of that run. Then config.json, metrics.jsonl checked writable first. Returns the step
-  to start at, and the seconds its steps took before a --resume."""
+  to start at, the seconds its steps took before a --resume, and the best val so far."""
   cfg_path, log_path = os.path.join(args.out, "config.json"), os.path.join(args.out, "metrics.jsonl")
   if os.path.exists(args.out) and not os.path.isdir(args.out): raise UsageError(f"--out {args.out}: not a directory")
   lock(args.out)
-  start, trained = 0, 0.0
+  start, trained, best = 0, 0.0, Best()
   with files("--out"):
-    if args.resume and (start := resume(args.out, model, opt, state)) > steps:
+    if args.resume: start, best = resume(args.out, model, opt, state)
+    if start > steps:
       given = f"--steps {steps}" if args.steps else f"--tokens {args.tokens:,} ({steps} steps)"
       raise UsageError(f"--resume {given}: {args.out} is at step {start} already: --steps {start} or more goes on")
     if args.resume:
@@ -221,14 +258,14 @@ def prepare(args, config:dict, steps:int, model, opt:Optimizer, state:dict[str, 
       raise UsageError(f"{args.out} holds another run: pass --resume to continue it or --force to overwrite")
     # --force: nothing of the old run stays; --resume drops the temp file of a save cut short
     old = [p for f in ("model.safetensors.tmp",) +
-           (() if args.resume else ("metrics.jsonl", "model.safetensors", "tokenizer.json"))
+           (() if args.resume else ("metrics.jsonl", "model.safetensors", "tokenizer.json", BEST))
            if os.path.exists(p := os.path.join(args.out, f))]
     if bad := next((p for p in old if os.path.isdir(p) and not os.path.islink(p)), None):
       raise UsageError(f"cannot delete {bad}: it is a directory; nothing was deleted")
     for p in old: os.remove(p)
     open(log_path, "a").close()  # writable, before config.json is written
     json.dump(config, open(cfg_path, "w"), indent=1)
-  return start, trained
+  return start, trained, best
 
 @contextlib.contextmanager
 def on_signals(stop:list[int], kept:Callable[[], str]):

@@ -4,8 +4,8 @@
 The estimators are in estimators.py (MeZO, ES) and dust.py (Dust), each declared with its flags and defaults
 (registry.py), the optimizer in optim.py, the models in model.py; README has the math. The run folder (config.json,
 checkpoints, the lock, --resume, --init) is rundir.py; the flags made from the registry and their checks flags.py;
---sample is sampling.py, --cosine cosine.py. How zo runs fast on tinygrad is in engine.py, and which kernels run where in
-kernels/__init__.py.
+--sample is sampling.py, --cosine cosine.py. How zo runs fast on tinygrad is in engine.py, and which kernels run where
+in kernels/__init__.py.
 """
 from __future__ import annotations
 import argparse, math, os, signal, sys, time
@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 from tinygrad import Device, Tensor, dtypes
 from data import BPE
-# estimators.py registers MeZO, ES, backprop and (dust.py) Dust; zoo.py, built on estimators.py, the zoo (as a plugin is)
+# estimators.py registers MeZO, ES, backprop and (dust.py) Dust; zoo.py, built on estimators.py, the zoo (as a plugin)
 from estimators import Compact, Flat, at_step, carried, run, step_key, values
 from optim import Optimizer, learning_rates
 from registry import ESTIMATORS, Run
@@ -79,8 +79,8 @@ def train(args):
   init_from(args, model)
   # what the estimator keeps from step to step (registry.py): its own at the first step, or --resume's
   state:dict[str, Tensor] = {}
-  # the step to start at, and the seconds its steps took before a --resume
-  start, trained = prepare(args, config, steps, model, opt, state)
+  # the step to start at, the seconds its steps took before a --resume, and the best val so far (--patience)
+  start, trained, best = prepare(args, config, steps, model, opt, state)
   if isinstance(tok, BPE) and not args.resume: tok.save(os.path.join(args.out, "tokenizer.json"))
   what = args.method if args.method == "backprop" else f"{args.method} pop {args.pop}"  # backprop has no population
   path = kernels.path(Device.DEFAULT)
@@ -91,6 +91,13 @@ def train(args):
   # Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step in flight finishes and saves; a second one quits at once
   stop:list[int] = []
   def kept() -> str: return rundir.kept(os.path.join(args.out, "model.safetensors"))  # what a stopped run keeps
+  def patient() -> str|None:  # --patience N: N evaluations in a row without a new best val stop the run
+    return (f"--patience {args.patience}: {best.since} evaluations without a val loss below {best.val:.4f} (step "
+            f"{best.step}): stopped after step {step}") if args.patience and best.since >= args.patience else None
+  step = start - 1
+  if patient():  # a run its patience stopped stays stopped
+    print(patient())
+    return
   # a resumed run's seconds go on from its parts' sum (its compiling counted again)
   val, t0 = None, time.perf_counter() - trained
   print("the first step and the first evaluation compile their kernels (tinygrad caches them for the next run)")
@@ -122,20 +129,23 @@ def train(args):
         bar.set_description_str("evaluating")
         rec["val_loss"] = val = val_loss(model, data, args)
         if not math.isfinite(val): raise UsageError(f"step {step}: the validation loss is {val}: diverged; {kept()}")
+        if best.seen(step, val) and args.keep_best: rundir.keep_best(args.out, model, best)
       bar.set_description_str("")
       append(log, rec, kept())
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
                       tok_s=f"{args.batch * args.seq / dt:,.0f}",
                       **({"draws_s": f"{args.pop / dt:,.0f}"} if entry.keyed else {}))  # backprop draws nothing
       bar.update()  # counted when the step is done (iterating the bar would count it when the next one begins)
-      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop:
-        save(args.out, model, opt, step + 1, state)
+      if (step + 1) % args.ckpt_every == 0 or step == steps - 1 or stop or patient():
+        save(args.out, model, opt, step + 1, state, best)
+      if patient():
+        bar.write(patient())
+        return
       if stop:
         bar.write(f"{signal.Signals(stop[0]).name}: interrupted after {step + 1} steps: checkpoint saved in "
                   f"{args.out}; continue with --resume",
                   file=sys.stderr)  # a line of its own, not one the bar redraws over
         sys.exit(128 + stop[0])  # the shell's code for a process ended by that signal: 130 for SIGINT, 143 for SIGTERM
-
 
 def squares(loss:Tensor, named:dict[str, Tensor]) -> Tensor:
   return Tensor.cat(loss.float().reshape(1), engine.squares(list(named.values()))).contiguous()
@@ -176,7 +186,7 @@ def sample(args):
   record = argparse.Namespace(**read_config(args.out, "--sample") | {"out": args.out})
   tok = text_tokenizer(record, "--sample", record.tokenizer_sha256)
   model = make_model(record)
-  load_checkpoint(args.out, model, "--sample", keep="param.")
+  load_checkpoint(args.out, model, "--sample", keep="param.", name=rundir.BEST if args.best else "model.safetensors")
   sampling.sample(model, tok, args)
 
 # ***** the command line *****
@@ -221,9 +231,16 @@ def parse(argv:list[str]|None=None) -> argparse.Namespace:
   p.add_argument("--init", default=None, metavar="RUN", help="start from the weights of the run in folder RUN (its "
                  "model flags must be this run's), with a fresh optimizer at step 0, on any --data")
   p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, exactly: its "
-                 "flags must be the run's, but for --steps (at least the run's step; not given: the run's), --tokens, "
-                 "--eval-every, --ckpt-every and --devices; with --cosine: measure at its weights")
+                 "flags must be the run's, but for " + ", ".join(f"--{f}".replace("_", "-") for f in rundir.FREE) +
+                 " (--steps at least the run's step; without --steps or --tokens, the run's); with --cosine: measure "
+                 "at its weights")
   p.add_argument("--force", action="store_true", help="overwrite a run already in --out")
+  p.add_argument("--patience", type=int, default=None, metavar="N", help="stop (exit 0) once N evaluations in a row "
+                 "bring no new best val loss (default: never)")
+  p.add_argument("--keep-best", action="store_true", help="keep the weights of the best val loss so far beside the "
+                 "checkpoint, in OUT/best.safetensors (its step and val in its metadata)")
+  p.add_argument("--best", action="store_true", help="--sample, --init RUN: the run's kept best weights "
+                 "(best.safetensors, --keep-best), not its last checkpoint")
   p.add_argument("--cosine", action="store_true", help="print the per-layer-type cosine of the estimate to backprop "
                  "for each --pop, at initialisation or (with --resume) at the checkpoint in --out, then exit")
   p.add_argument("--devices", type=int, default=1, help="devices of the default backend to split the population over")

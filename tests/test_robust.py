@@ -354,7 +354,7 @@ def make(seed):
 rundir.save(sys.argv[1], a, opt_a, 7)
 mask = os.umask(0)
 assert os.stat(os.path.join(sys.argv[1], "model.safetensors")).st_mode & 0o777 == 0o666 & ~mask  # as any file the user writes
-assert rundir.resume(sys.argv[1], b, opt_b) == 7
+assert rundir.resume(sys.argv[1], b, opt_b)[0] == 7
 assert all(np.array_equal(a.params[n].numpy(), b.params[n].numpy()) for n in a.params)
 """
 
@@ -722,7 +722,8 @@ def test_full_disk_while_logging(runs):
                                          (["--method", "mezo", "--optim", "adamw", "--replay", "3"], "--replay 3: only SGD's momentum"),
                                          (["--method", "dust", "--replay", "3", "--force"], "--replay 3: an estimate of --method dust is not"),
                                          (["--resume", "--force"], "--force: --resume overwrites nothing"),
-                                         (["--temperature", "0.5"], "--temperature 0.5: only --sample uses it")])
+                                         (["--temperature", "0.5"], "--temperature 0.5: only --sample uses it"),
+                                         (["--best"], "--best: only --sample and --init read the kept best weights")])
 def test_flags_that_do_nothing(flags:list[str], says:str, tmp_path:Path, capsys):
   (out := tmp_path / "run").mkdir()
   (out / "metrics.jsonl").write_text("{}\n")
