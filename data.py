@@ -258,6 +258,14 @@ def load_tokens(path:str, vocab:int, seq_len:int, seed:int, tok:Bytes|BPE) -> To
   check_vocab(path, top := int(ids.max()), vocab)
   return Tokens(path, tok.vocab if ext == ".txt" else top + 1, ids, seed)
 
+def digest(spec:str) -> str|None:
+  """The sha256 of the content of a data source that reads one (a file, the standard library's sources); None for the
+  synthetic ones, which the spec and the seed make."""
+  if spec == "stdlib": content = stdlib()[0]
+  elif os.path.splitext(spec)[1] in READERS: content = read(spec)
+  else: return None
+  return hashlib.sha256(content).hexdigest()
+
 def load(spec:str, vocab:int, seq_len:int, seed:int=0, tok:Bytes|BPE=BYTES) -> Source:
   """The source of `spec`; a .txt file is read as token ids by `tok` (from tokenizer(): bytes by default)."""
   if isinstance(tok, BPE): needs_text(tok.spec, spec)

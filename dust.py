@@ -35,7 +35,7 @@ from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import device, inputs, last_call_start, replicas, sum_draws
 from recipes import KINDS, Recipe, budget, forwards, recipe
-from registry import POSITIVE, Defaults, Option, Run, estimator
+from registry import POSITIVE, Defaults, Option, Run, activations, estimator
 import engine
 
 # a group's index is its draws' address in the key tree: chunk c of a group at block l is keyed fold(key, group, l, c)
@@ -106,7 +106,13 @@ def defaults(run:Run) -> Defaults:
 
 # ***** the estimator: §3's steps in order *****
 
-@estimator("dust", defaults=defaults, check=check, forwards=lambda run: forwards(run_recipe(run)),
+def memory(run:Run) -> float|None:
+  """The capture (every site's activations, as backprop keeps them) and a chunk's forward, twice a forward's for the
+  draws' noise and jittered outputs beside it."""
+  if (capture := activations(run.model, tokens := run.tokens // run.steps, kept=True)) is None: return None
+  return capture + 2 * activations(run.model, run_recipe(run).per_chunk * tokens)
+
+@estimator("dust", defaults=defaults, check=check, forwards=lambda run: forwards(run_recipe(run)), memory=memory,
   noise=Option("the distribution of every draw (Rademacher: +-1, the same mean and variance)", choices=tuple(NOISES)),
   head=Option("the head's per-token errors estimated from draws on slabs of the logits (the release's), or exact: "
               "softmax - one-hot from the clean forward, no draws (docs/dust.md §3.6)", choices=("slabs", "exact")),

@@ -18,12 +18,14 @@ plain functions of tensors, they read as the math.
 from __future__ import annotations
 import itertools
 from dataclasses import dataclass
+from typing import Any
 import numpy as np
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import shares, spread
-from registry import ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Option, Run, estimator, size
+from registry import (ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Entry, Option, Run, activations, estimator,
+                      size)
 import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
@@ -107,7 +109,17 @@ def spsa(losses:Tensor, eps:float|Tensor) -> tuple[Tensor, Tensor]:
   """coef_k = (L(θ + εz_k) − L(θ − εz_k)) / (2εK), and the mean loss."""
   return (losses[:, 0] - losses[:, 1]) / (2 * eps * losses.shape[0]), losses.mean()
 
+def per_call(run:Run, draws:int) -> int:  # the draws of a population forward's call, each the batch at both signs
+  return engine.per_call(draws, run.tokens // run.steps, TOKENS)
+
+def population_memory(run:Run, draws:int, full_rank:bool) -> float|None:
+  """A population call's activations, and under full-rank noise a copy of the weights for each of its draws."""
+  c, m = per_call(run, draws), run.model
+  if (held := activations(m, 2 * c * run.tokens // run.steps)) is None: return None
+  return held + full_rank * c * size(m) * m.dtype.itemsize
+
 @estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"), forwards=lambda run: 2 * run.pop,
+           memory=lambda run: population_memory(run, run.pop, full_rank=True),
            eps=Option("the perturbation scale ε", check=POSITIVE))
 def mezo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, eps:float=1e-3, devices:int=1) -> tuple[Compact, Tensor]:
   """SPSA: g = Σ_k (L(θ + εz_k) − L(θ − εz_k)) / (2εK) · z_k over K = pop Gaussian directions z_k."""
@@ -135,6 +147,7 @@ def pairs(run:Run):
 
 @estimator("es", defaults=STANDARD | {"sgd": Defaults(lr=1e-4, momentum=0.9)}, check=pairs,
            forwards=lambda run: run.pop,
+           memory=lambda run: population_memory(run, run.pop // 2, full_rank=run.options["rank"] == 0),
            sigma=Option("the perturbation scale σ", check=POSITIVE),
            shaping=Option("fitness shaping: centred ranks, z-scores or the raw fitness",
                           choices=("rank", "zscore", "none")),
@@ -182,6 +195,7 @@ def differentiable(run:Run):
 # the release's baseline: under SGD wte's lr is 1000 (it feeds an RMSNorm, so its gradient is tiny)
 @estimator("backprop", keyed=False, check=differentiable,
            forwards=lambda run: 3,  # a forward, and a backward of twice its work
+           memory=lambda run: activations(run.model, run.tokens // run.steps, kept=True),
            defaults=STANDARD | {"sgd": Defaults(lr=0.175, momentum=0.98, groups={"transformer.wte": 1000 / 0.175})})
 def backprop(model, x:Tensor, y:Tensor, pop:int, key:None) -> tuple[Flat, Tensor]:
   """The gradient by tinygrad's autograd, the reference baseline. Returns it as a Flat, and the mean loss. The buffer is
@@ -212,5 +226,21 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   Tensor.realize(*copies.values())
   return copies
 
-# zoo.py registers HiZOO, LOZO, ConMeZO and ZO-Muon (it imports spsa from here, so it comes last)
-import zoo  # noqa: E402, F401
+# ***** what the loop passes to an estimator at a step *****
+
+def step_key(seed:int, step:int) -> int: return (seed << 32) | step  # the key words are (step, seed)
+
+# the state, for an estimator that keeps one
+def carried(entry:Entry, state:dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+  return {"state": state} if "state" in entry.takes else {}
+
+def values(entry:Entry, job:Run) -> dict[str, Any]:
+  """What the loop passes to the estimator at every step: its options, and the run's values that it names
+  (registry.py)."""
+  given = {"steps": job.steps, "tokens": job.tokens, "optimizer": job.optimizer, "devices": job.devices}
+  return job.options | {k: v for k, v in given.items() if k in entry.takes}
+
+def at_step(entry:Entry, step:int) -> dict[str, Tensor]:
+  """The step, for an estimator that names it: a float32 scalar in a buffer of its own, so that a schedule computed from
+  it is data of the kernels, not a constant compiled into them."""
+  return {"step": engine.tensor(np.array(step, np.float32))} if "step" in entry.takes else {}

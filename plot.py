@@ -9,9 +9,9 @@
                                                                   seconds, and the seconds it took to reach the --reach
                                                                   run's final loss
   python plot.py docs/finetune/*-*/ --best --out docs/finetune/race.png
-                                                                  each method's finished run of lowest final val loss
-                                                                  (of its lrs; config.json's method), val loss against
-                                                                  seconds and against network forwards, and their table
+                                                                  each method's run of lowest val loss (of its lrs;
+                                                                  config.json's method), val loss against seconds and
+                                                                  against network forwards, and their table
   python plot.py --bench bench.json --reference docs/reference.json --out docs/dust_time.png
                                                                   a Dust update's seconds against the population, zo
                                                                   beside the PyTorch reference (bench.json from
@@ -24,7 +24,7 @@ try:
   import matplotlib
   matplotlib.use("Agg")  # files only: no screen needed
   import matplotlib.pyplot as plt
-except ImportError: plt = None  # the tables need only the standard library (docs/finetune/lrs.sh, on the device)
+except ImportError: plt = None  # the tables need only the standard library
 
 def metrics(run:str) -> list[dict]:
   with open(os.path.join(run, "metrics.jsonl")) as f: return [r for r in map(json.loads, f) if "val_loss" in r]
@@ -66,36 +66,25 @@ def reach_table(runs:list[str], target_run:str) -> str:
   return "\n".join(rows)
 
 def best_runs(runs:list[str]) -> dict[str, list[tuple[str, dict, list[dict]]]]:
-  """method -> its runs as (folder, config, evaluations), the best first: the finished run of lowest final val loss (the
-  fine-tuning race stops the lrs that lose early, docs/finetune), or with none finished the lowest at the end."""
+  """method -> its runs as (folder, config, evaluations), the best first: the run of lowest val loss along the way (the
+  fine-tuning race keeps each run's best weights, --keep-best, and stops it when its val loss stops improving, docs/finetune)."""
   by = defaultdict(list)
   for run in runs:
     with open(os.path.join(run, "config.json")) as f: config = json.load(f)
     by[config["method"]].append((run, config, metrics(run)))
-  return {m: sorted(rs, key=lambda r: (not finished(r[1], r[2]), r[2][-1]["val_loss"])) for m, rs in by.items()}
+  return {m: sorted(rs, key=lambda r: lowest(r[2])["val_loss"]) for m, rs in by.items()}
 
-def scheduled(config:dict) -> int:  # the steps of a run's schedule, as zo.py counts them
-  return config["steps"] or max(1, config["tokens"] // (config["batch"] * config["seq"]))
+def lowest(evals:list[dict]) -> dict: return min(evals, key=lambda r: r["val_loss"])  # a run's best evaluation
 
-def finished(config:dict, evals:list[dict]) -> bool:  # whether the run evaluated its last step (zo always does)
-  return evals[-1]["step"] + 1 == scheduled(config)
+def val_at(evals:list[dict], seconds:float) -> float|None:  # the val loss of the last evaluation by then (None: none yet)
+  return next((r["val_loss"] for r in reversed(evals) if r["seconds"] <= seconds), None)
 
-def failed(run:str) -> bool:
-  """Whether the run's last part failed (a non-finite loss, a crash): docs/device_run.sh's log.txt ends with an exit
-  other than 0 (finished) or 130 (stopped)."""
-  if not os.path.exists(log := os.path.join(run, "log.txt")): return False
+def ended(run:str) -> str:
+  """How a run ended, by docs/device_run.sh's log.txt: zo exits 0 when --patience stops it (or at its last step), 130 when the
+  race's budget of seconds stops it (SIGINT), 2 on a non-finite loss."""
+  if not os.path.exists(log := os.path.join(run, "log.txt")): return "?"
   with open(log) as f: codes = re.findall(r": exit (\d+) after", f.read())
-  return bool(codes) and codes[-1] not in ("0", "130")
-
-def at(evals:list[dict], step:int) -> float:  # the val loss of the last evaluation at or before step
-  return next(r["val_loss"] for r in reversed(evals) if r["step"] <= step)
-
-def compared(rs:list[tuple[str, dict, list[dict]]]) -> tuple[int, dict[str, float]]:
-  """How a method's lrs compare (the race's probes, docs/finetune/lrs.sh): the last step that all its runs but the
-  failed evaluated, and each of those runs' val loss there."""
-  fine = [(run, evals) for run, _, evals in rs if not failed(run)]
-  common = min((evals[-1]["step"] for _, evals in fine), default=0)
-  return common, {run: at(evals, common) for run, evals in fine}
+  return {"0": "patience", "130": "budget"}.get(codes[-1], f"failed (exit {codes[-1]})") if codes else "?"
 
 def forwards(config:dict, r:dict) -> float:
   """The network forwards of steps 0..r's step, as the run's estimator declared a step's (evaluations not counted)."""
@@ -106,25 +95,24 @@ def best_curves(by:dict, out:str):
   val_plots([(evals, lambda r: r["seconds"], lambda r, c=config: forwards(c, r),
               dict(label=f"{method} (lr {config['lr']:g})", color=plt.cm.tab10(i)))
              for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items()))],
-            dict(xlabel="seconds (compiling included)"), dict(xlabel="network forwards (log scale)", xscale="log"), out,
-            fontsize=8)
+            dict(xlabel="seconds (compiling from the cache included)"), dict(xlabel="network forwards (log scale)", xscale="log"),
+            out, fontsize=8)
+
+MARKS = (10, 20, 40)  # the seconds at which best_table gives each method's val loss
 
 def best_table(by:dict) -> str:
-  """A markdown table: a row per method, its best lr, every lr tried with its val loss at the last step that all of them
-  but the failed evaluated, and the best run's val loss after its first step, at the end and at its lowest, its seconds,
-  steps (of its schedule's, when stopped early) and forwards; the best method first."""
-  rows = ["| method | lr | lrs tried: val at step | val after step 0 | final val | lowest val (at seconds) | seconds "
-          "| steps | forwards |", "|---|---|---|---|---|---|---|---|---|"]
-  for method, rs in sorted(by.items(), key=lambda kv: kv[1][0][2][-1]["val_loss"]):
-    _, config, v = rs[0]
-    common, val = compared(rs)
-    tried = ", ".join(f"{c['lr']:g}: " + (f"{val[run]:.3f}" if run in val else f"failed at step {e[-1]['step']:,}")
-                      for run, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
-    low = min(v, key=lambda r: r["val_loss"])
-    steps = f"{v[-1]['step'] + 1:,}" + ("" if finished(config, v) else f" of {scheduled(config):,} (stopped)")
-    rows.append(f"| {method} | {config['lr']:g} | {tried} (step {common:,}) | {v[0]['val_loss']:.3f} | "
-                f"{v[-1]['val_loss']:.3f} | {low['val_loss']:.3f} ({low['seconds']:,.0f}) | {v[-1]['seconds']:,.0f} | "
-                f"{steps} | {forwards(config, v[-1]):,.0f} |")
+  """A markdown table, the best method first: a row per method, its best lr (of every lr tried, each with its lowest val loss), that
+  run's lowest val loss with the seconds and network forwards it took to get there, its val loss at the MARKS seconds, and how it
+  ended."""
+  rows = ["| method | lr | lrs tried: lowest val | lowest val | seconds to it | forwards to it | "
+          + " | ".join(f"val at {t} s" for t in MARKS) + " | ended by |", "|---" * (7 + len(MARKS)) + "|"]
+  for method, rs in sorted(by.items(), key=lambda kv: lowest(kv[1][0][2])["val_loss"]):
+    run, config, evals = rs[0]
+    tried = ", ".join(f"{c['lr']:g}: {lowest(e)['val_loss']:.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    low = lowest(evals)
+    marks = " | ".join("-" if (v := val_at(evals, t)) is None else f"{v:.3f}" for t in MARKS)
+    rows.append(f"| {method} | {config['lr']:g} | {tried} | {low['val_loss']:.3f} | {low['seconds']:,.1f} | "
+                f"{forwards(config, low):,.0f} | {marks} | {ended(run)} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):

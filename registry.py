@@ -20,8 +20,10 @@ doesn't take is refused. Besides its options, it may name any of the run's value
 
 It also declares what it asks of the optimizer when the command line doesn't say (`defaults`: a Defaults per optimizer,
 or a function of the Run that gives one), `check(run)`, which raises ValueError for a run it can't do, before
-anything is written (a model it can't train among them: Dust's needs sites, backprop a gradient), and `forwards(run)`,
-the network forwards a step's arithmetic needs (what tests/bench.py and the fine-tuning race count a step's cost in).
+anything is written (a model it can't train among them: Dust's needs sites, backprop a gradient), `forwards(run)`, the
+network forwards a step's arithmetic needs (what tests/bench.py and the fine-tuning race count a step's cost in), and
+`memory(run)`, the bytes of activations and draws a step holds at once (what the command line's memory check adds to
+the parameters; `activations` counts a forward's).
 
   @model("tiny")
   def tiny(vocab:int|None, seed:int, dtype:DType) -> GPT: ...
@@ -43,7 +45,7 @@ docs/model.md):
 A model whose losses() also takes a population, each params value a kernels.perturb.Population and member m the batch
 rows [mB, (m+1)B), says so with `population = True` (model.GPT does): MeZO and ES then evaluate many members in one
 forward instead of one a forward. Dust needs the sites of model.GPT (a subclass keeps them; dust.py's `lacks`), and
-backprop a gradient for every parameter (estimators.py's `undifferentiable`).
+backprop a gradient for every parameter (estimators.py's `differentiable`).
 """
 from __future__ import annotations
 import functools, inspect, math
@@ -115,6 +117,7 @@ class Entry(Declared):
   check:Callable[[Run], None]|None
   keyed:bool  # False: fn draws no noise, and gets no key
   forwards:Callable[[Run], float]|None  # the forwards a step's arithmetic needs; None: not declared
+  memory:Callable[[Run], float|None]|None  # the bytes a step holds at once beside the parameters; None: one forward's
 
   def defaults_for(self, run:Run) -> Defaults:
     return self.defaults(run) if callable(self.defaults) else self.defaults[run.optimizer]
@@ -128,12 +131,13 @@ ESTIMATORS:dict[str, Entry] = {}
 
 def estimator(name:str, *, defaults:dict[str, Defaults]|Callable[[Run], Defaults]=STANDARD,
               check:Callable[[Run], None]|None=None, keyed:bool=True,
-              forwards:Callable[[Run], float]|None=None, **options:Option) -> Callable[[Callable], Callable]:
+              forwards:Callable[[Run], float]|None=None, memory:Callable[[Run], float|None]|None=None,
+              **options:Option) -> Callable[[Callable], Callable]:
   """Register fn as `--method name`, with its options (each a keyword argument of fn with a default), the optimizer's
-  defaults, a check of the run and the forwards a step needs."""
+  defaults, a check of the run, the forwards a step needs and the memory it holds."""
   def register(fn:Callable) -> Callable:
     declare("estimator", name, fn, options, RUN_VALUES)
-    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards)
+    ESTIMATORS[name] = Entry(name, fn, options, defaults, check, keyed, forwards, memory)
     return fn
   return register
 
@@ -155,6 +159,19 @@ def model(name:str, **options:Option) -> Callable[[Callable], Callable]:
     MODELS[name] = ModelEntry(name, fn, options)
     return fn
   return register
+
+def activations(model, tokens:float, kept:bool=False) -> float|None:
+  """The bytes of activations a forward of `tokens` tokens holds at once, in the model's compute dtype, for the GPT and
+  the looped model (None for a model of other shapes): per token the logits, and a block's widest moment, its
+  attention's scores over the context beside two widths, or its MLP's input and hidden layer (five widths). `kept`:
+  every block's (or loop's) activations at once, as backprop's graph and Dust's capture keep them: its scores and their
+  softmax, and 16 widths (q, k, v, the attention's output, the MLP's hidden layer before and after its activation, the
+  norms' and the residual's). Measured against tinygrad's allocations on the CPU (tests/test_robust.py)."""
+  c = model.cfg
+  if not all(hasattr(c, a) for a in ("n_embd", "n_head", "seq_len", "vocab")): return None
+  blocks, scores = getattr(c, "n_layer", getattr(c, "loops", 1)), c.n_head * c.seq_len
+  per_token = blocks * (2 * scores + 16 * c.n_embd) if kept else max(scores + 2 * c.n_embd, 5 * c.n_embd)
+  return tokens * (per_token + c.vocab) * getattr(model, "dtype", dtypes.float32).itemsize
 
 def size(net) -> int: return sum(p.numel() for p in net.params.values())  # D, a model's number of parameters
 

@@ -17,8 +17,12 @@ import math
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, gaussian
 from estimators import spsa
-from registry import POSITIVE, Option, estimator, size
+from registry import POSITIVE, Option, Run, activations, estimator, size
 import engine
+
+def memory(run:Run) -> float|None:  # a forward of the batch, and the pop directions E_k as dense tensors
+  if (fwd := activations(run.model, run.tokens // run.steps)) is None: return None
+  return fwd + run.pop * size(run.model) * run.model.dtype.itemsize
 
 def kept(state:dict[str, Tensor], name:str, like:Tensor, fill:float) -> Tensor:
   """state[name], made at the first step as a tensor of like's shape filled with `fill`."""
@@ -53,7 +57,8 @@ def gaussians(model, key:Tensor, pop:int) -> list[dict[str, Tensor]]:
 
 # ***** HiZOO *****
 
-@estimator("hizoo", forwards=lambda run: 2 * run.pop + 1, eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("hizoo", memory=memory, forwards=lambda run: 2 * run.pop + 1,
+           eps=Option("the perturbation scale ε", check=POSITIVE),
            smooth=Option("α, the weight of a step's Hessian estimate in Σ's exponential average",
                          check=(lambda v: 0 < v <= 1, "in (0, 1]")))
 def hizoo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, state:dict[str, Tensor], eps:float=1e-3,
@@ -80,7 +85,8 @@ def hizoo_step(model, x:Tensor, y:Tensor, key:Tensor, sigma:dict[str, Tensor], p
 
 # ***** LOZO *****
 
-@estimator("lozo", forwards=lambda run: 2 * run.pop, eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("lozo", memory=memory, forwards=lambda run: 2 * run.pop,
+           eps=Option("the perturbation scale ε", check=POSITIVE),
            subspace=Option("r, the rank of a matrix's perturbation U Vᵀ (V's columns span its rows' subspace)",
                            check=POSITIVE),
            every=Option("ν, the steps that keep one V", check=POSITIVE))
@@ -108,7 +114,8 @@ def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:f
 
 # ***** ConMeZO *****
 
-@estimator("conmezo", forwards=lambda run: 2 * run.pop, eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("conmezo", memory=memory, forwards=lambda run: 2 * run.pop,
+           eps=Option("the perturbation scale ε", check=POSITIVE),
            angle=Option("θ, the cone's half-angle around the momentum, in radians",
                         check=(lambda v: 0 <= v <= math.pi / 2, "in [0, π/2]")),
            beta=Option("β, the momentum's decay: m ← βm + (1 − β)g", check=(lambda v: 0 <= v < 1, "in [0, 1)")))
@@ -147,7 +154,8 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X
   return X
 
-@estimator("zomuon", forwards=lambda run: run.pop + 1, eps=Option("the perturbation scale ε", check=POSITIVE),
+@estimator("zomuon", memory=memory, forwards=lambda run: run.pop + 1,
+           eps=Option("the perturbation scale ε", check=POSITIVE),
            subspace=Option("r, the dimension of a matrix's subspace P", check=POSITIVE),
            every=Option("ν, the steps that keep one subspace P", check=POSITIVE))
 def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict[str, Tensor], eps:float=1e-3,

@@ -197,7 +197,7 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
   opt, step = optim.Optimizer(model.params, optim.learning_rates(model.params, d, None), "sgd", d.momentum, 0), [0]
   opts = ({"rank": rank} if method == "es" else {}) | ({"devices": devices} if devices > 1 else {})
   state = {"state": {}} if "state" in ESTIMATORS[method].takes else {}  # what an estimator keeps from step to step, as zo.py's loop
-  def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts, **state, **zo.at_step(ESTIMATORS[method], step[0]))
+  def estimate(): return estimators.run(model, x, y, method, pop, step[0], **opts, **state, **estimators.at_step(ESTIMATORS[method], step[0]))
   def run():
     step[0] += 1
     g, loss = estimate()

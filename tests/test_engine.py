@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # ***** the layers *****
 
 # the algorithm layer: tinygrad's public API only (its top-level names and tinygrad.nn)
-ALGORITHM = ("model.py", "registry.py", "estimators.py", "dust.py", "recipes.py", "optim.py", "zo.py", "devices.py", "data.py", "plot.py")
+ALGORITHM = ("model.py", "registry.py", "estimators.py", "dust.py", "recipes.py", "optim.py", "zo.py", "rundir.py", "flags.py", "sampling.py",
+             "cosine.py", "devices.py", "data.py", "plot.py")
 PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "Variable", "GlobalCounters"}
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",

@@ -13,7 +13,7 @@ import pytest
 from tinygrad import Context, Tensor, dtypes
 from kernels.noise import fold, gaussian, key as root_key
 from model import GPT, GPTConfig
-import dust, estimators, registry, zo
+import dust, estimators, flags, registry, zo
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "docs/model.md").read_text()
@@ -31,7 +31,8 @@ def learner(tmp_path, monkeypatch):
   for name, code in BLOCKS.items(): (tmp_path / name).write_text(code)
   monkeypatch.setattr(registry, "MODELS", dict(registry.MODELS))
   monkeypatch.setattr(zo, "MODELS", registry.MODELS)
-  monkeypatch.setitem(zo.DECLARED, "model", registry.MODELS)
+  monkeypatch.setattr(flags, "MODELS", registry.MODELS)
+  monkeypatch.setitem(flags.DECLARED, "model", registry.MODELS)
   monkeypatch.setattr(signal, "signal", lambda *a: None)  # zo.main's Ctrl-C handler would outlive the run in this process
   return tmp_path
 
@@ -81,7 +82,7 @@ def test_page_refusals(learner, capsys):
 def test_binary_backprop_gradient_is_zero(learner, monkeypatch):
   # backprop's refusal is no guess: tinygrad's autograd, as --method backprop computes it, gives c_fc a gradient of zeros in every
   # entry, and every other parameter (attention, c_proj, embeddings, head, scalars) a nonzero one
-  zo.plugins(["--plugin", str(learner / "binary.py")])
+  flags.plugins(["--plugin", str(learner / "binary.py")])
   model = registry.MODELS["binary"].make(vocab=64, seed=0, dtype=dtypes.float32, layers=1, width=16, context=16)
   rng = np.random.default_rng(0)
   x, y = [Tensor(rng.integers(0, 64, (2, 16)).astype(np.int32)).realize() for _ in range(2)]
@@ -103,7 +104,7 @@ def test_one_member_a_forward(learner):
   # a model that takes no population gets plain tensors, one member a forward: MeZO's coefficients on the counter must be those
   # of the losses at θ ± εz_k computed here, z_k for parameter i the Gaussian of fold(key, k, i), as the batched forward draws it
   # (a direction drawn from another key, a member given the wrong sign or no perturbation at all, breaks the equality)
-  zo.plugins(["--plugin", str(learner / "counter.py")])
+  flags.plugins(["--plugin", str(learner / "counter.py")])
   model = registry.MODELS["counter"].make(vocab=None, seed=0, width=8)
   x = Tensor(np.random.default_rng(0).integers(0, 2, (32, 4)).astype(np.int32)).realize()  # the page's batch
   y = x.cumsum(1).mod(2).realize()
@@ -132,5 +133,5 @@ def test_contract_refusals(learner):
       self.params["transformer.h.0.mlp.bias"] = Tensor.zeros(4 * self.cfg.n_embd).contiguous().realize()
   cfg = GPTConfig(vocab=16, seq_len=4, n_layer=1, n_head=2, n_embd=8)
   assert dust.lacks(GPT(cfg)) is None and "transformer.h.0.mlp.bias" in dust.lacks(Biased(cfg))
-  zo.plugins(["--plugin", str(learner / "counter.py")])
+  flags.plugins(["--plugin", str(learner / "counter.py")])
   assert "sites" in dust.lacks(registry.MODELS["counter"].make(vocab=None, seed=0))

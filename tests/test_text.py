@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from tinygrad import Tensor
 from model import GPT, GPTConfig
 import data
-import zo
+import rundir, sampling, zo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -53,7 +53,7 @@ def model() -> GPT:
 def write_run(out:pathlib.Path, m:GPT, *flags:str):
   """A run directory as train leaves it: config.json from the flags, and a checkpoint of m's parameters."""
   out.mkdir(parents=True)
-  json.dump(vars(zo.parse(["--model", "tiny", "--out", str(out), *flags])), open(out / "config.json", "w"))
+  json.dump(vars(zo.parse(["--model", "tiny", "--seq", "64", "--out", str(out), *flags])), open(out / "config.json", "w"))
   save_file({f"param.{n}": p.numpy() for n, p in m.params.items()}, str(out / "model.safetensors"), metadata={"step": "1"})
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,23 +137,24 @@ def test_cache_reused_and_never_stale(tmp_path:pathlib.Path, bpe:data.BPE, monke
 # ***** the run's tokenizer: train saves it, --resume and --sample read it *****
 
 def test_train_keeps_the_tokenizer(tmp_path:pathlib.Path, bpe:data.BPE, monkeypatch):
-  # a run that retrains its BPE on --resume tokenizes a changed text with another vocabulary than its checkpoint's
+  # a run keeps its BPE, recorded with the text by their sha256: --resume reads it back (a BPE retrained on a changed text would
+  # tokenize it with another vocabulary than the checkpoint's), and refuses a text that changed since
   (p := tmp_path / "t.txt").write_text(TEXT)
   out = tmp_path / "run"
   class Started(Exception): pass
   def started(*a, **k): raise Started  # the first step: everything before it is set up, and no kernel has been compiled
   monkeypatch.setattr(zo, "run", started)
-  monkeypatch.setattr(zo.signal, "signal", lambda *a: None)  # train's Ctrl-C handler would outlive it in this process
+  monkeypatch.setattr(rundir.signal, "signal", lambda *a: None)  # train's Ctrl-C handler would outlive it in this process
   flags = ["--model", "tiny", "--data", str(p), "--tokenizer", f"bpe:{N}", "--steps", "1", "--out", str(out)]
   with pytest.raises(Started): zo.train(zo.parse(flags))
   assert data.BPE.read(str(out / "tokenizer.json"), N).sha == bpe.sha
   cfg = json.load(open(out / "config.json"))
   assert cfg["tokenizer"] == f"bpe:{N}" and cfg["vocab"] == N
-  p.write_text(CHANGED * 2)
+  assert cfg["tokenizer_sha256"] == bpe.sha and cfg["data_sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
   with pytest.raises(zo.UsageError, match="--resume: no checkpoint"): zo.train(zo.parse(flags + ["--resume"]))  # Started never saved one
-  sha = hashlib.sha256((CHANGED * 2).encode()).hexdigest()[:16]
-  assert [q.name for q in tmp_path.glob(f"t.txt.{sha}.*.bin")] == [f"t.txt.{sha}.{bpe.sha[:16]}.bin"], "tokenized by the run's BPE"
-  assert zo.text_tokenizer(zo.parse(flags)).sha != bpe.sha  # while a fresh run trains on the text as it is now
+  p.write_text(CHANGED * 2)  # a changed text is another run's data
+  with pytest.raises(zo.UsageError, match=rf"--resume: --data {p} is not the run's data"): zo.train(zo.parse(flags + ["--resume"]))
+  assert rundir.text_tokenizer(zo.parse(flags)).sha != bpe.sha  # while a fresh run trains on the text as it is now
 
 # ***** the sampler *****
 
@@ -172,15 +173,15 @@ def test_first_token_distribution(model:GPT, bpe:data.BPE, monkeypatch):
   ids = bpe.encode(PROMPT).tolist()
   tail = np.random.default_rng(2).integers(0, N, model.cfg.seq_len - len(ids)).tolist()  # other padding, which a causal model ignores
   z = model.logits(Tensor([ids + tail])).numpy()[0, len(ids) - 1]
-  logits = zo.next_logits(model, ids)
-  p = zo.next_probs(logits, 1.0, None)
+  logits = sampling.next_logits(model, ids)
+  p = sampling.next_probs(logits, 1.0, None)
   np.testing.assert_allclose(p, softmax(z), rtol=1e-4, atol=1e-7)
   assert p.max() < 0.5 and (p > 1e-3).sum() > 10, "a spread-out distribution, so the draws test something"
   # the draws follow p: each token's frequency within 5 standard errors sqrt(q(1-q)/n) of its probability q (the tokens with fewer
   # than 10 expected draws pooled into one bucket, where the normal approximation holds); n = 20,000, a fixed seed
   n = 20_000
-  monkeypatch.setattr(zo, "next_logits", lambda m, ids: logits)
-  draws = np.array(zo.generate(model, ids[:1], n, 1.0, None, seed=0)[1:])
+  monkeypatch.setattr(sampling, "next_logits", lambda m, ids: logits)
+  draws = np.array(sampling.generate(model, ids[:1], n, 1.0, None, seed=0)[1:])
   big = n * p >= 10
   q = np.append(p[big], p[~big].sum())
   freq = np.append(np.bincount(draws, minlength=N)[big], np.isin(draws, np.flatnonzero(~big)).sum()) / n
@@ -190,28 +191,28 @@ def test_first_token_distribution(model:GPT, bpe:data.BPE, monkeypatch):
 
 def test_temperature_and_top_k(monkeypatch):
   z = np.random.default_rng(0).normal(0, 3, N)
-  np.testing.assert_allclose(zo.next_probs(z, 0.5, None), softmax(2 * z), rtol=1e-9)
+  np.testing.assert_allclose(sampling.next_probs(z, 0.5, None), softmax(2 * z), rtol=1e-9)
   for k in (1, 5, 50, N - 1, N, N + 5):
-    p = zo.next_probs(z, 0.8, k)
+    p = sampling.next_probs(z, 0.8, k)
     keep = np.argsort(z)[-k:]
     assert (p > 0).sum() == min(k, N) and (p[keep] > 0).all(), k
     np.testing.assert_allclose(p[keep], softmax(z[keep] / 0.8), rtol=1e-9)
-  assert (zo.next_probs(np.zeros(10, np.float32), 1.0, 3) > 0).sum() == 3, "ties: still exactly k"
-  monkeypatch.setattr(zo, "next_logits", lambda m, ids: z)
-  assert set(zo.generate(None, [0], 2_000, 1.0, 5, seed=0)[1:]) == set(np.argsort(z)[-5:].tolist())
+  assert (sampling.next_probs(np.zeros(10, np.float32), 1.0, 3) > 0).sum() == 3, "ties: still exactly k"
+  monkeypatch.setattr(sampling, "next_logits", lambda m, ids: z)
+  assert set(sampling.generate(None, [0], 2_000, 1.0, 5, seed=0)[1:]) == set(np.argsort(z)[-5:].tolist())
 
 def test_window_slides(model:GPT):
   # past the context, the window holds the last seq_len tokens, at positions 0.. as in training
   ids = np.random.default_rng(1).integers(0, N, 100).tolist()
   ref = model.logits(Tensor([ids[-model.cfg.seq_len:]])).numpy()[0, -1]
-  np.testing.assert_allclose(zo.next_logits(model, ids), ref, atol=1e-5)
-  assert not np.allclose(zo.next_logits(model, ids[:-1]), ref, atol=1e-3)
+  np.testing.assert_allclose(sampling.next_logits(model, ids), ref, atol=1e-5)
+  assert not np.allclose(sampling.next_logits(model, ids[:-1]), ref, atol=1e-3)
 
 def test_sampling_deterministic(model:GPT, bpe:data.BPE):
   ids = bpe.encode(PROMPT).tolist()
-  a = zo.generate(model, ids, 12, 1.0, None, seed=0)
+  a = sampling.generate(model, ids, 12, 1.0, None, seed=0)
   assert len(a) == len(ids) + 12 and a[:len(ids)] == ids and max(a) < N
-  assert zo.generate(model, ids, 12, 1.0, None, seed=0) == a and zo.generate(model, ids, 12, 1.0, None, seed=1) != a
+  assert sampling.generate(model, ids, 12, 1.0, None, seed=0) == a and sampling.generate(model, ids, 12, 1.0, None, seed=1) != a
 
 # ***** the command line *****
 
@@ -219,7 +220,7 @@ def test_cli_sample(runs, model:GPT, bpe:data.BPE):
   # stdout is the text and nothing else, the same as the sampler's for that seed, with the run's own tokenizer
   r = runs[1]["sample"].result()
   assert r.returncode == 0, r.stderr[-2000:]
-  ids = zo.generate(model, bpe.encode(PROMPT).tolist(), 12, 0.8, 50, seed=3)
+  ids = sampling.generate(model, bpe.encode(PROMPT).tolist(), 12, 0.8, 50, seed=3)
   assert r.stdout == bpe.decode(ids) + "\n" and r.stdout.startswith(PROMPT)
   assert "12 tokens at" in r.stderr and "tokens/s" in r.stderr, r.stderr
 

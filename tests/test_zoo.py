@@ -29,7 +29,7 @@ class Quadratic:
 X = Y = Tensor.zeros(1, 1).contiguous().realize()
 
 def step_of(method:str, model, pop:int, step:int, state:dict, **opts) -> dict[str, np.ndarray]:
-  g, _ = estimators.run(model, X, Y, method, pop, step, state=state, **opts, **zo.at_step(estimators.ESTIMATORS[method], step))
+  g, _ = estimators.run(model, X, Y, method, pop, step, state=state, **opts, **estimators.at_step(estimators.ESTIMATORS[method], step))
   return {n: t.numpy() for n, t in g.items()}
 
 def test_hizoo_sigma_converges_to_the_hessian_diagonal():
@@ -67,10 +67,10 @@ def test_lozo_rank_and_window():
 def test_estimate_is_the_callers():
   # estimators.estimate's dict estimate is the caller's: a later estimate (the JIT's replays reuse its output buffers) leaves it alone
   model = Quadratic({"w": (12, 10), "b": (5,)})
-  gs = [estimators.estimate(model, X, Y, "lozo", 2, seed, state={}, **zo.at_step(estimators.ESTIMATORS["lozo"], 0))
+  gs = [estimators.estimate(model, X, Y, "lozo", 2, seed, state={}, **estimators.at_step(estimators.ESTIMATORS["lozo"], 0))
         for seed in range(4)]
   kept = [{n: t.numpy() for n, t in g.items()} for g in gs]
-  later = estimators.estimate(model, X, Y, "lozo", 2, 9, state={}, **zo.at_step(estimators.ESTIMATORS["lozo"], 0))
+  later = estimators.estimate(model, X, Y, "lozo", 2, 9, state={}, **estimators.at_step(estimators.ESTIMATORS["lozo"], 0))
   assert not np.array_equal(later["w"].numpy(), kept[3]["w"])
   for g, k in zip(gs, kept):
     for n in g: np.testing.assert_array_equal(g[n].numpy(), k[n], err_msg=n)
@@ -102,7 +102,7 @@ def descent(method:str, lr:float, flip:bool, shapes:dict, steps:int=30, **opts) 
   opt = optim.Optimizer(model.params, {n: lr for n in model.params}, "sgd", 0.0, 0)
   before = model.losses(X, Y).item()
   for step in range(steps):
-    g, _ = estimators.run(model, X, Y, method, 4, step, state=state, **opts, **zo.at_step(estimators.ESTIMATORS[method], step))
+    g, _ = estimators.run(model, X, Y, method, 4, step, state=state, **opts, **estimators.at_step(estimators.ESTIMATORS[method], step))
     opt.step({n: -t for n, t in g.items()} if flip else g)
   return before, model.losses(X, Y).item()
 
@@ -139,7 +139,7 @@ def test_init_from_a_run(tmp_path:Path):
   assert first["step"] == 0 and abs(first["val_loss"] - last) < 1e-6, (first, last)
   assert json.load(open(tmp_path / "ft" / "config.json"))["init"] == str(src)
   for flags, says in ((["--vocab", "32"], f"--init {src}: that run's model is another: --vocab 64 there, 32 here"),
-                      (["--init", str(tmp_path / "none")], "no run there"),):
+                      (["--init", str(tmp_path / "none")], f"--init: no run in {tmp_path / 'none'}"),):
     r = cli(*RUN, "--method", "mezo", "--steps", "1", "--init", str(src), *flags, "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr[-2000:]
 
