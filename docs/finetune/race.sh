@@ -6,7 +6,8 @@
 # --eval-every to an evaluation about every EVERY seconds (default 2); then each lr runs alone from the pretrained weights for at
 # most BUDGET seconds (default 40; compiling from the cache counted), with --keep-best and --patience PATIENCE (default 10
 # evaluations without a new lowest val loss). A run is started only when the call's LIMIT has BUDGET + 20 s left for it; a run
-# that ended (its budget, its patience, or a failure) is not run again. The pretraining first, if it isn't finished.
+# that ended (its budget, its patience, or a failure) is not run again: on this machine, or on another whose call's results were
+# copied into docs/finetune/METHOD-LR. The pretraining first, if it isn't finished on this machine.
 set -u
 here=$(dirname "$0")
 BUDGET=${BUDGET:-40} EVERY=${EVERY:-2} PATIENCE=${PATIENCE:-10} LIMIT=${LIMIT:-555}
@@ -33,7 +34,7 @@ PY
 ) || exit
   for lr in "${lrs[@]}"; do
     run=/tmp/finetune/$m-$lr
-    [ -f "$run/ended" ] && continue
+    [ -f "$run/ended" ] || [ -f "$here/$m-$lr/metrics.jsonl" ] && continue  # ended here, or in a call whose results are in docs
     rm -rf "$run"  # a run a lost call cut short starts over: its budget is one part's
     left=$(( LIMIT - SECONDS ))
     [ "$left" -ge $(( BUDGET + 20 )) ] || { echo "race.sh: $left s of LIMIT left, too few for a run of $BUDGET s: run again"; exit 1; }
