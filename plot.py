@@ -17,7 +17,7 @@
                                                                   beside the PyTorch reference (bench.json from
                                                                   `tests/bench.py --json`)
 """
-import argparse, json, os, re
+import argparse, json, math, os, re
 from collections import defaultdict
 from typing import Callable
 try:
@@ -74,7 +74,8 @@ def best_runs(runs:list[str]) -> dict[str, list[tuple[str, dict, list[dict]]]]:
     by[config["method"]].append((run, config, metrics(run)))
   return {m: sorted(rs, key=lambda r: lowest(r[2])["val_loss"]) for m, rs in by.items()}
 
-def lowest(evals:list[dict]) -> dict: return min(evals, key=lambda r: r["val_loss"])  # a run's best evaluation
+def lowest(evals:list[dict]) -> dict:  # a run's best evaluation; a run stopped before its first has val loss inf
+  return min(evals, key=lambda r: r["val_loss"], default={"val_loss": math.inf, "seconds": math.nan, "step": -1})
 
 def val_at(evals:list[dict], seconds:float) -> float|None:  # the val loss of the last evaluation by then (None: none yet)
   return next((r["val_loss"] for r in reversed(evals) if r["seconds"] <= seconds), None)
@@ -94,7 +95,7 @@ def best_curves(by:dict, out:str):
   """Each method's best run: val loss against seconds and against forwards."""
   val_plots([(evals, lambda r: r["seconds"], lambda r, c=config: forwards(c, r),
               dict(label=f"{method} (lr {config['lr']:g})", color=plt.cm.tab10(i)))
-             for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items()))],
+             for i, (method, ((_, config, evals), *_)) in enumerate(sorted(by.items())) if evals],
             dict(xlabel="seconds (compiling from the cache included)"), dict(xlabel="network forwards (log scale)", xscale="log"),
             out, fontsize=8)
 
@@ -103,16 +104,17 @@ MARKS = (10, 20, 40)  # the seconds at which best_table gives each method's val 
 def best_table(by:dict) -> str:
   """A markdown table, the best method first: a row per method, its best lr (of every lr tried, each with its lowest val loss), that
   run's lowest val loss with the seconds and network forwards it took to get there, its val loss at the MARKS seconds, and how it
-  ended."""
+  ended. A run stopped before its first evaluation has none ("-")."""
   rows = ["| method | lr | lrs tried: lowest val | lowest val | seconds to it | forwards to it | "
           + " | ".join(f"val at {t} s" for t in MARKS) + " | ended by |", "|---" * (7 + len(MARKS)) + "|"]
   for method, rs in sorted(by.items(), key=lambda kv: lowest(kv[1][0][2])["val_loss"]):
     run, config, evals = rs[0]
-    tried = ", ".join(f"{c['lr']:g}: {lowest(e)['val_loss']:.3f}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
+    shown = lambda v, f="{:.3f}": "-" if v is None or not math.isfinite(v) else f.format(v)  # noqa: E731
+    tried = ", ".join(f"{c['lr']:g}: {shown(lowest(e)['val_loss'])}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = lowest(evals)
-    marks = " | ".join("-" if (v := val_at(evals, t)) is None else f"{v:.3f}" for t in MARKS)
-    rows.append(f"| {method} | {config['lr']:g} | {tried} | {low['val_loss']:.3f} | {low['seconds']:,.1f} | "
-                f"{forwards(config, low):,.0f} | {marks} | {ended(run)} |")
+    marks = " | ".join(shown(val_at(evals, t)) for t in MARKS)
+    rows.append(f"| {method} | {config['lr']:g} | {tried} | {shown(low['val_loss'])} | {shown(low['seconds'], '{:,.1f}')} | "
+                f"{shown(forwards(config, low) if evals else None, '{:,.0f}')} | {marks} | {ended(run)} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):
@@ -144,7 +146,8 @@ if __name__ == "__main__":
   args = p.parse_args()
   if args.bench: dust_times(args.bench, args.reference, args.out)
   elif args.runs:
-    if unevaluated := [r for r in args.runs + [args.reach] * bool(args.reach) if not metrics(r)]:
+    # a race's run may end before its first evaluation (--best tables it as such); a curve needs one
+    if unevaluated := [r for r in args.runs * (not args.best) + [args.reach] * bool(args.reach) if not metrics(r)]:
       p.error(f"no val loss in {', '.join(unevaluated)}: each run needs at least one evaluation (zo.py --eval-every)")
     if args.best:
       by = best_runs(args.runs)

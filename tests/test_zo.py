@@ -462,12 +462,14 @@ def test_best_table(tmp_path:Path):
   # the fine-tuning race's table: each method's row is its run of lowest val loss along the way (its kept best: not its last val,
   # and a run that failed later keeps what it reached), listing every lr tried in increasing order with its lowest val, the seconds and
   # forwards (steps x the declared forwards a step) to that val, the val of the last evaluation by 10, 20 and 40 s ("-" before the
-  # first), and how docs/device_run.sh's log says it ended; the best method first
+  # first), and how docs/device_run.sh's log says it ended; the best method first. A run stopped before its first evaluation (a first
+  # step longer than the budget) is an lr tried with no val ("-"), and a method with no other is last, its row all "-"
   import plot
   runs = {"b-0.01": ("b", 0.01, 4, [(0, 5.0, 1.0), (5, 1.0, 5.0), (9, 2.0, 9.0)], 130),
           "b-0.1": ("b", 0.1, 4, [(0, 5.0, 1.0), (4, 1.2, 5.0), (9, 1.5, 9.0)], 130),
           "b-1": ("b", 1.0, 4, [(0, 5.0, 1.0), (5, 0.5, 3.0), (7, 1.6, 12.0)], 0),
-          "a-1": ("a", 1.0, 3, [(0, 5.0, 11.0), (8, 1.8, 30.0)], 2), "c": ("c", None, 3, [(0, 5.0, 1.0)], 0)}
+          "a-1": ("a", 1.0, 3, [(0, 5.0, 11.0), (8, 1.8, 30.0)], 2), "a-2": ("a", 2.0, 3, [], 130),
+          "z-1": ("z", 1.0, 3, [], 130), "c": ("c", None, 3, [(0, 5.0, 1.0)], 0)}
   for name, (method, lr, fps, evals, code) in runs.items():
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.json").write_text(json.dumps({"method": method, "lr": lr, "forwards_per_step": fps, "batch": 2, "seq": 5,
@@ -477,7 +479,8 @@ def test_best_table(tmp_path:Path):
     (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   table = plot.best_table(plot.best_runs([str(tmp_path / n) for n in runs if n != "c"])).splitlines()
   assert table[2:] == ["| b | 1 | 0.01: 1.000, 0.1: 1.200, 1: 0.500 | 0.500 | 3.0 | 24 | 0.500 | 1.600 | 1.600 | patience |",
-                       "| a | 1 | 1: 1.800 | 1.800 | 30.0 | 27 | - | 5.000 | 1.800 | failed (exit 2) |"], table
+                       "| a | 1 | 1: 1.800, 2: - | 1.800 | 30.0 | 27 | - | 5.000 | 1.800 | failed (exit 2) |",
+                       "| z | 1 | 1: - | - | - | - | - | - | - | budget |"], table
   # a run without its lr (the method's default) is refused in one line that names it
   r = subprocess.run([sys.executable, "plot.py", str(tmp_path / "a-1"), str(tmp_path / "c"), "--best", "--out", str(tmp_path / "x.png")],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -32,13 +32,13 @@ sys.path.insert(0, ROOT)
 import numpy as np
 from tinygrad import Tensor, dtypes
 from data import load
-from estimators import TOKENS, Compact, es_coefficients, estimate, perturbed_losses, spsa
+from cosine import layer_type
+from estimators import TOKENS, Compact, es_coefficients, estimate, perturbed_losses, spsa, values
 from kernels.matmul import activate, untiled
 from kernels.norm import norm, rms
 from kernels.noise import key as root_key
 from model import Looped, LoopedConfig, Pass
 from registry import ESTIMATORS
-from zo import layer_type, values
 from engine import per_call
 from optim import Optimizer, learning_rates
 import engine, model as model_py
