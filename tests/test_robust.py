@@ -253,13 +253,16 @@ def run_diverge(tmp:Path) -> dict:
 
 def run_full_log(tmp:Path) -> dict:
   """The ref run resumed under a 64 KiB file size limit (RLIMIT_FSIZE, as a disk that fills up), its metrics.jsonl padded with whole
-  lines to within a line of it: step 12's line is cut by the limit. The limit binds tinygrad's compile cache too: the ref run has put
-  every kernel there, so this run only reads it (a smaller limit fails sqlite's journal of a page)."""
+  lines to within 10 bytes of it (the first one stretched by JSON's spaces: a line's length varies with its seconds' digits, so copies
+  alone left room for step 12's line in some runs), so that step 12's line is cut by the limit. The limit binds tinygrad's compile
+  cache too: the ref run has put every kernel there, so this run only reads it (a smaller limit fails sqlite's journal of a page)."""
   out, limit = tmp / "full_log", lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
   ref_done(tmp)
   copied(tmp / "ref", out)
   line = (out / "metrics.jsonl").read_text().splitlines(keepends=True)[0]
-  (out / "metrics.jsonl").write_text(padded := line * ((65536 - 40) // len(line)))
+  k = 65536 // len(line) - 2
+  padded = "{" + " " * (65536 - 10 - (k + 1) * len(line)) + line[1:] + line * k
+  (out / "metrics.jsonl").write_text(padded)
   r = subprocess.run(command(argv(out, "--steps", STEPS + 2, "--ckpt-every", 1000, "--resume"), None), cwd=ROOT, env=ENV,
                      capture_output=True, text=True, timeout=600, preexec_fn=limit)
   return {"out": out, "r": r, "padded": padded}
