@@ -334,7 +334,8 @@ def head_errors(work:list[Worker], rc:Recipe, head:str) -> Tensor:
   w0 = work[0]
   if head == "exact": return engine.jit(head_exact, w0.model)(w0.rec["lm_head"], w0.y)
   (B, T, V), S = w0.rec["lm_head"].shape, slabs(w0.model)
-  def clean(w:Worker) -> dict[str, Tensor]:  # the raw logits as slabs, and the sums every draw reuses (a JIT of its own)
+  def clean(w:Worker) -> dict[str, Tensor]:
+    # the raw logits as slabs, and the sums every draw reuses (a JIT of its own)
     return engine.jit(clean_head, w.model)(w.rec["lm_head"], w.y) | {"z": w.rec["lm_head"].reshape(B, T, S, V // S)}
   (E,) = sum_draws(head_chunk, [(w.model, w.key, (clean(w), w.y)) for w in work],
                    path=(GROUPS.index("head"), 0), chunks=rc.head // rc.per_chunk, run=S,

@@ -25,7 +25,7 @@ from kernels.noise import fold, key as root_key
 from kernels.perturb import Population, combine
 from devices import shares, spread
 from registry import (ESTIMATORS, NONNEGATIVE, POSITIVE, STANDARD, Defaults, Entry, Option, Run, activations, estimator,
-                      size)
+                      itemsize, size)
 import dust, engine  # noqa: F401  dust.py registers Dust
 
 @dataclass
@@ -116,7 +116,7 @@ def population_memory(run:Run, draws:int, full_rank:bool) -> float|None:
   """A population call's activations, and under full-rank noise a copy of the weights for each of its draws."""
   c, m = per_call(run, draws), run.model
   if (held := activations(m, 2 * c * run.tokens // run.steps)) is None: return None
-  return held + full_rank * c * size(m) * m.dtype.itemsize
+  return held + full_rank * c * size(m) * itemsize(m)
 
 @estimator("mezo", check=lambda run: spread_draws(run, run.pop, "direction"), forwards=lambda run: 2 * run.pop,
            memory=lambda run: population_memory(run, run.pop, full_rank=True),

@@ -171,7 +171,9 @@ def activations(model, tokens:float, kept:bool=False) -> float|None:
   if not all(hasattr(c, a) for a in ("n_embd", "n_head", "seq_len", "vocab")): return None
   blocks, scores = getattr(c, "n_layer", getattr(c, "loops", 1)), c.n_head * c.seq_len
   per_token = blocks * (2 * scores + 16 * c.n_embd) if kept else max(scores + 2 * c.n_embd, 5 * c.n_embd)
-  return tokens * (per_token + c.vocab) * getattr(model, "dtype", dtypes.float32).itemsize
+  return tokens * (per_token + c.vocab) * itemsize(model)
+
+def itemsize(net) -> int: return getattr(net, "dtype", dtypes.float32).itemsize  # compute dtype bytes (none: float32)
 
 def size(net) -> int: return sum(p.numel() for p in net.params.values())  # D, a model's number of parameters
 

@@ -17,12 +17,12 @@ import math
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, gaussian
 from estimators import spsa
-from registry import POSITIVE, Option, Run, activations, estimator, size
+from registry import POSITIVE, Option, Run, activations, estimator, itemsize, size
 import engine
 
 def memory(run:Run) -> float|None:  # a forward of the batch, and the pop directions E_k as dense tensors
   if (fwd := activations(run.model, run.tokens // run.steps)) is None: return None
-  return fwd + run.pop * size(run.model) * run.model.dtype.itemsize
+  return fwd + run.pop * size(run.model) * itemsize(run.model)
 
 def kept(state:dict[str, Tensor], name:str, like:Tensor, fill:float) -> Tensor:
   """state[name], made at the first step as a tensor of like's shape filled with `fill`."""
