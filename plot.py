@@ -75,7 +75,9 @@ def best_runs(runs:list[str]) -> dict[str, list[tuple[str, dict, list[dict]]]]:
   return {m: sorted(rs, key=lambda r: lowest(r[2])["val_loss"]) for m, rs in by.items()}
 
 def lowest(evals:list[dict]) -> dict:  # a run's best evaluation; a run stopped before its first has val loss inf
-  return min(evals, key=lambda r: r["val_loss"], default={"val_loss": math.inf, "seconds": math.nan, "step": -1})
+  return min(evals, key=lambda r: r["val_loss"], default={"val_loss": math.inf, "seconds": math.nan, "step": math.nan})
+
+def shown(v:float|None, fmt:str="{:.3f}") -> str: return "-" if v is None or not math.isfinite(v) else fmt.format(v)
 
 def val_at(evals:list[dict], seconds:float) -> float|None:  # the val loss of the last evaluation by then (None: none yet)
   return next((r["val_loss"] for r in reversed(evals) if r["seconds"] <= seconds), None)
@@ -109,12 +111,11 @@ def best_table(by:dict) -> str:
           + " | ".join(f"val at {t} s" for t in MARKS) + " | ended by |", "|---" * (7 + len(MARKS)) + "|"]
   for method, rs in sorted(by.items(), key=lambda kv: lowest(kv[1][0][2])["val_loss"]):
     run, config, evals = rs[0]
-    shown = lambda v, f="{:.3f}": "-" if v is None or not math.isfinite(v) else f.format(v)  # noqa: E731
     tried = ", ".join(f"{c['lr']:g}: {shown(lowest(e)['val_loss'])}" for _, c, e in sorted(rs, key=lambda r: r[1]["lr"]))
     low = lowest(evals)
     marks = " | ".join(shown(val_at(evals, t)) for t in MARKS)
     rows.append(f"| {method} | {config['lr']:g} | {tried} | {shown(low['val_loss'])} | {shown(low['seconds'], '{:,.1f}')} | "
-                f"{shown(forwards(config, low) if evals else None, '{:,.0f}')} | {marks} | {ended(run)} |")
+                f"{shown(forwards(config, low), '{:,.0f}')} | {marks} | {ended(run)} |")
   return "\n".join(rows)
 
 def dust_times(bench:str, reference:str, out:str):

@@ -21,6 +21,9 @@ for m in "${methods[@]}"; do [ -n "${FLAGS[$m]:-}" ] || { echo "race.sh: no meth
 [ -f /tmp/finetune/pretrain/done ] || LIMIT=$LIMIT "$here/run.sh" pretrain || exit
 for m in "${methods[@]}"; do
   read -ra lrs <<< "${LRS[$m]}"; read -ra flags <<< "${FLAGS[$m]}"
+  todo=()  # the lrs whose runs have not ended, here or in a call whose results are in docs/finetune
+  for lr in "${lrs[@]}"; do [ -f "/tmp/finetune/$m-$lr/ended" ] || [ -f "$here/$m-$lr/metrics.jsonl" ] || todo+=("$lr"); done
+  [ ${#todo[@]} -gt 0 ] || continue  # no warm-up for a method whose runs have all ended
   warm=/tmp/finetune/compile-$m
   # six steps, evaluated at the first and the last: steps 1-4 time a step
   [ -f "$warm/done" ] || OUT=/tmp/compiled LIMIT=$(( LIMIT - SECONDS )) "$here/run.sh" "compile-$m" "${flags[@]}" --lr "${lrs[0]}" \
@@ -32,9 +35,8 @@ if len(s) < 6: sys.exit(f"{sys.argv[1]}: the six steps did not finish")
 print(max(1, round(float(sys.argv[2]) / ((s[4] - s[1]) / 3))))
 PY
 ) || exit
-  for lr in "${lrs[@]}"; do
+  for lr in "${todo[@]}"; do
     run=/tmp/finetune/$m-$lr
-    [ -f "$run/ended" ] || [ -f "$here/$m-$lr/metrics.jsonl" ] && continue  # ended here, or in a call whose results are in docs
     rm -rf "$run"  # a run a lost call cut short starts over: its budget is one part's
     left=$(( LIMIT - SECONDS ))
     [ "$left" -ge $(( BUDGET + 20 )) ] || { echo "race.sh: $left s of LIMIT left, too few for a run of $BUDGET s: run again"; exit 1; }
