@@ -31,6 +31,7 @@ from typing import Any
 from tinygrad import Tensor, dtypes
 from kernels.attention import moved, mixed, prepare
 from kernels.loss import exp_sum, softcap
+from kernels.matmul import mix_rows, outer_sum
 from kernels.noise import NOISES, fold, runs
 from kernels.norm import qk_norm
 from devices import device, inputs, last_call_start, replicas, sum_draws
@@ -267,7 +268,7 @@ def local_chunk(model, keys:Tensor, clean:dict[str, Tensor], target:Tensor, K:Te
   a = NOISES[noise](fold(keys, 0), shape).reshape(n * B, *shape[1:])
   score = (att.delta(kind, a, sigma, n) * tile(target.reshape(B, T, H, hd), n)).sum(-1)  # [n B, T, H]
   # realized: fused into the sum over draws below, the gate's credit matmul made one kernel that was slow to compile
-  R = score if kind == "q" else (credit(T, att.window, gamma) @ score).contiguous()
+  R = score if kind == "q" else mix_rows(credit(T, att.window, gamma), score)
   return [(R.unsqueeze(-1) * a if kind != "gate" else R * a).reshape(n, B, T, -1).sum(0) / (s * K)]
 
 def error_site(kind:str, l:int) -> str:  # the module whose weight a kind's errors update
@@ -432,5 +433,5 @@ def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
   """(1/N) Σ_t ĝ_t x_tᵀ over the N tokens, or for an embedding a scatter-add of the errors into the rows of the token
   ids (a one-hot matmul)."""
   n, err = err.shape[0] * err.shape[1], err.reshape(-1, err.shape[-1])
-  if dtypes.is_int(inp.dtype): return (inp.reshape(-1, 1) == Tensor.arange(shape[0])).float().T @ err / n
-  return err.T @ inp.float().reshape(-1, shape[1]) / n
+  if dtypes.is_int(inp.dtype): return outer_sum((inp.reshape(-1, 1) == Tensor.arange(shape[0])).cast(err.dtype), err) / n
+  return outer_sum(err, inp.reshape(-1, shape[1])) / n

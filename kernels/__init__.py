@@ -11,6 +11,7 @@ The model and the estimators call one function per op. Each runs one of two impl
 | op | function | zo's CUDA kernel; the shapes it takes | tinygrad's own against it, on the H200 |
 |---|---|---|---|
 | GEMM | matmul.linear | wgmma (sm_90), else mma.sync; half, rows, N, K by 128, 128, 32 | 72-77 TFLOP/s against 245-356 |
+| Dust's reassembly | matmul.outer_sum, mix_rows | backprop's dw kernel, float32 scaled into half | a Dust step 0.13 s longer (dust, H100) |
 | attention | attention.attention | flash, QK-norm's bound for a max; half, head dim 64, T by 128 | 64 x 2048 tokens: 5.5-7.0 ms against 1.2-1.5 |
 | Dust's attention draws | attention.moved, .mixed | o' - o from the change of q or k; p du, p remade | no T x T probabilities (8.6 GB at pop 1024) |
 | norms | norm.norm, norm.qk_norm | a row read once: RMS norm of h + y; RoPE with QK-norm | q's and k's norms 4.3 ms a Dust chunk against 1.1 |

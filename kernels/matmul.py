@@ -287,6 +287,36 @@ def weight_grad(dy:Tensor, x:Tensor, act:str|None) -> Tensor:
   parts = Tensor.empty(S, N, K, device=dy.device).custom_kernel(dy, x, fxn=fxn)[0]
   return parts.sum(0) if S > 1 else parts.reshape(N, K)
 
+def outer_sum(a:Tensor, b:Tensor) -> Tensor:
+  """a^T b in float32 for a [M, N] and b [M, K]: a sum of outer products over the M rows (the tokens), as a weight's gradient is. On
+  the CUDA kernels, where the tiles divide, GRAD_W on the tensor cores in half, each float32 operand first scaled (`halved`);
+  elsewhere tinygrad's float32 matmul."""
+  if not tensor_cores(a, b): return a.float().T @ b.float()
+  (a, sa), (b, sb) = halved(a), halved(b)
+  return weight_grad(a, b, None) / (sa * sb)
+
+def mix_rows(c:Tensor, x:Tensor) -> Tensor:
+  """c @ x, materialized, for c [T, T] of weights at most 1 and x [..., T, H] in float32: each output row a weighted sum of x's rows, as a
+  discounted credit is. Where outer_sum runs on the tensor cores, as one sum over x's rows for every leading index at once (c^T and x
+  with its rows first); elsewhere tinygrad's batched matmul."""
+  *lead, T, H = x.shape
+  xt = x.reshape(-1, T, H).permute(1, 0, 2).reshape(T, -1)  # [T, n H]: the rows first, as outer_sum sums over them
+  if not tensor_cores(c.T, xt): return (c @ x).contiguous()
+  # c in half as it is (a credit is at most 1): scaled, the scale's reduction over its lazy values was recomputed in every kernel
+  return outer_sum(c.T.cast(dtypes.half).contiguous(), xt).reshape(T, -1, H).permute(1, 0, 2).reshape(*lead, T, H).contiguous()
+
+def tensor_cores(a:Tensor, b:Tensor) -> bool:  # outer_sum's kernel: the CUDA kernels, and rows, N and K that GRAD_W's tiles divide
+  return cuda_kernels(a.device) and a.shape[0] % 256 == 0 and a.shape[1] % 128 == 0 and b.shape[1] % 128 == 0
+
+def halved(t:Tensor) -> tuple[Tensor, Tensor|float]:
+  """t in half, and the scale it was multiplied by: a half tensor as it is; a float32 one scaled so that its largest magnitude is 2^14
+  (half's largest is 65,504), which keeps half's 11 bits down to 2^-14 of that and flushes nothing above 2^-38 of it, where values as
+  small as Dust's per-token errors (often below half's smallest normal, 6.1e-5) would otherwise lose their bits or vanish."""
+  if t.dtype == dtypes.half: return t, 1.0
+  # the rows' largest, then theirs: one scale, realized before the kernels that read it (fused, each output recomputed it)
+  s = (2.0 ** 14 / t.abs().max(-1).contiguous().max().maximum(1e-30)).contiguous()
+  return (t * s).cast(dtypes.half), s
+
 @functools.cache
 def grad(act:str|None) -> Callable:
   """matmul's grad_fxn: d act(x) = dy w (this kernel again: on Hopper reading w as stored, N-major, elsewhere with a copy of w^T as the

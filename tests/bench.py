@@ -32,6 +32,7 @@ from tinygrad.device import Buffer
 from kernels.noise import fold, gaussian, key
 from model import GPT, GPTConfig, Looped, LoopedConfig
 from registry import ESTIMATORS
+from devices import keyed
 import dust, engine, estimators, optim, zo
 
 PEAK = [0]
@@ -128,19 +129,34 @@ def forwards(model, method:str, pop:int) -> float:
 RATE = {"G": 1e9, "T": 1e12}
 UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
-def kernel_times(fn) -> list[tuple[str, float, int, float, float]]:
-  """Every kernel of a call of fn, summed by name, most time first: (name, seconds, launches, FLOPs, bytes). tinygrad prints each
-  kernel's time and its rates (of the FLOPs and bytes it estimates for the kernel; zo's CUDA kernels declare theirs) at DEBUG=2, in a
-  JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled())."""
-  out, rows = io.StringIO(), collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
-  with contextlib.redirect_stdout(out), Context(DEBUG=2):
-    fn()
-    sync()  # a kernel's line is printed when it has run
+def kernel_times(fn) -> list[tuple[str, float, int, float, float, str]]:
+  """Every kernel of a call of fn, summed by name, most time first: (name, seconds, launches, FLOPs, bytes, the JITs that ran it). tinygrad
+  prints each kernel's time and its rates (of the FLOPs and bytes it estimates for the kernel; zo's CUDA kernels declare theirs) at
+  DEBUG=2, in a JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled()); each of zo's JITs (engine.jit)
+  prints its function's name first (`jit_name`), so a kernel is traced to the code that ran it."""
+  out, rows = io.StringIO(), collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0, collections.Counter()])
+  call = engine.Function.__call__
+  def named(self, *inputs):
+    print(f"@@ {jit_name(self)}")
+    return call(self, *inputs)
+  engine.Function.__call__, jit = named, "-"
+  try:
+    with contextlib.redirect_stdout(out), Context(DEBUG=2):
+      fn()
+      sync()  # a kernel's line is printed when it has run
+  finally: engine.Function.__call__ = call
   for line in re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines():
-    if m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/.*?\(\s*([\d.]+) ([GT])FLOPS\s+([\d.]+)\|\S+\s+([GT])B/s", line):
+    if line.startswith("@@ "): jit = line[3:]
+    elif m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/.*?\(\s*([\d.]+) ([GT])FLOPS\s+([\d.]+)\|\S+\s+([GT])B/s", line):
       t, r = float(m[2]) * UNIT[m[3]], rows[m[1]]
-      r[0] += t; r[1] += 1; r[2] += float(m[4]) * RATE[m[5]] * t; r[3] += float(m[6]) * RATE[m[7]] * t
-  return sorted(((k, *v) for k, v in rows.items()), key=lambda r: -r[1])
+      r[0] += t; r[1] += 1; r[2] += float(m[4]) * RATE[m[5]] * t; r[3] += float(m[6]) * RATE[m[7]] * t; r[4][jit] += 1
+  return sorted(((k, *v[:4], ", ".join(j for j, _ in v[4].most_common(3))) for k, v in rows.items()), key=lambda r: -r[1])
+
+def jit_name(f:engine.Function) -> str:
+  """A JIT's function by name, with the function that a chunk JIT sums or stacks (through devices.keyed, the draws it keys) and the kind
+  of Dust's local draws: `adding(local_chunk:k)`."""
+  inner = f.static.get("draws", f.static.get("fn")) if f.static.get("fn") is keyed else f.static.get("fn")
+  return f.fn.__name__ + (f"({inner.__name__}" + (f":{f.static['kind']}" if "kind" in f.static else "") + ")" if inner else "")
 
 # A kernel's op, by its name: zo's CUDA kernels are named by kernels/*.py (matmul's by M_N_K), tinygrad's own by their kind
 # (E_: elementwise, r_: a reduction); what the name doesn't tell is "other"
@@ -158,11 +174,11 @@ def op_of(name:str) -> str:
     if m := re.search(pat, name): return label(m) if callable(label) else label
   return "other"
 
-def by_op(kernels:list[tuple[str, float, int, float, float]], peaks:tuple[float, float]|None) -> list[tuple]:
+def by_op(kernels:list[tuple], peaks:tuple[float, float]|None) -> list[tuple]:
   """The kernels grouped by op, most time first: (op, share of the kernels' time, seconds, launches, FLOP/s, bytes/s, and the fraction
   of the roofline: the time the op's FLOPs and bytes need at the card's peaks (the larger of the two) over the time it took)."""
   ops = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
-  for name, t, n, flops, nbytes in kernels:
+  for name, t, n, flops, nbytes, *_ in kernels:
     o = ops[op_of(name)]
     o[0] += t; o[1] += n; o[2] += flops; o[3] += nbytes
   total = sum(o[0] for o in ops.values())
@@ -177,7 +193,7 @@ def gpu_peaks() -> tuple[float, float]|None:
 
 def print_profile(kernels:list, top:int, what:str):
   """--profile's tables under a row: the `top` kernels of most time, then every kernel grouped by op."""
-  for k, t, n, *_ in kernels[:top]: print(f"  {t * 1e3:9.3f} ms {n:6d}x {k}", flush=True)
+  for k, t, n, _, _, where in kernels[:top]: print(f"  {t * 1e3:9.3f} ms {n:6d}x {k:<40} in {where}", flush=True)
   peaks = gpu_peaks()
   print(f"  {what}, by op ({sum(k[1] for k in kernels) * 1e3:.3f} ms in {sum(k[2] for k in kernels)} kernels; roofline at "
         + (f"{peaks[0] / 1e12:.0f} TFLOP/s and {peaks[1] / 1e12:.2f} TB/s" if peaks else "unknown peaks") + "):", flush=True)

@@ -34,9 +34,10 @@ import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
 from bench import by_op, kernel_times
-from tinygrad import Tensor, TinyJit
-a = Tensor(np.arange(1000, dtype=np.float32)).realize()
-step = TinyJit(lambda t: ((t.sum() + t).contiguous() * 2).realize())
+from tinygrad import Tensor
+import engine
+def twice(t:Tensor) -> Tensor: return (t.sum() + t).contiguous() * 2
+a, step = Tensor(np.arange(1000, dtype=np.float32)).realize(), engine.jit(twice)
 for _ in range(3): step(a)  # run, capture, replay
 print(json.dumps(kernel_times(lambda: step(a))))
 # made-up kernels grouped by op at peaks of 1 PFLOP/s and 1 TB/s: (name, seconds, launches, FLOPs, bytes)
@@ -48,7 +49,6 @@ print(json.dumps(by_op(made_up, (1e15, 1e12))))
 def test_kernel_times():
   # --profile's parse of tinygrad's DEBUG=2 lines, in a JIT's replay as a row's step is, in --profile's environment, on the NULL device
   # (which batches a JIT's kernels into a graph, as CUDA does): its two kernels (a sum, then an elementwise op on its result), each
-  # named and counted once, not one graph
   # --profile's environment from bench.py in a process of its own: importing bench patches tinygrad's Buffer.allocate in its process
   env = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, 'tests'); from bench import profiled; "
                         "print(json.dumps(profiled(5)))"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
@@ -56,7 +56,9 @@ def test_kernel_times():
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   kernels, ops = (json.loads(line) for line in r.stdout.splitlines()[-2:])
-  assert len(kernels) == 2 and all(n == 1 and t > 0 and k.startswith(("r_", "E_")) for k, t, n, _, _ in kernels), kernels
+  # named and counted once, not one graph, and traced to the JIT's function
+  assert len(kernels) == 2 and all(n == 1 and t > 0 and k.startswith(("r_", "E_")) and where == "twice"
+                                   for k, t, n, _, _, where in kernels), kernels
 
   # the grouping: kernels of one op summed (two GEMMs of one shape), each op's share of the total, its rates from the sums, and the
   # roofline fraction as the larger of FLOPs / peak and bytes / peak over its time: a GEMM at half the FLOP peak is 50%, an elementwise
@@ -66,3 +68,13 @@ def test_kernel_times():
   share, t, n, flops, nbytes, frac = rows["GEMM 131072x2048x512"]
   assert (round(share, 12), t, n) == (0.4, 4e-3, 8) and abs(flops - 5e14) < 1 and abs(nbytes - 5e11) < 1 and abs(frac - 0.5) < 1e-12, ops
   assert abs(rows["elementwise (tinygrad)"][5] - 1.0) < 1e-12 and abs(rows["attention (flash)"][5] - 0.1) < 1e-12, ops
+
+def test_jit_name():
+  # a chunk JIT is named by the function it sums and the kind of local draws it runs, as --profile's kernels are traced
+  sys.path.insert(0, str(ROOT / "tests"))
+  from bench import jit_name
+  import dust, engine
+  from devices import keyed
+  assert jit_name(engine.jit(engine.adding, None, fn=keyed, draws=dust.local_chunk, per_call=2, kind="k")) == "adding(local_chunk:k)"
+  assert jit_name(engine.jit(engine.stacked, None, fn=dust.head_chunk, per_call=2)) == "stacked(head_chunk)"
+  assert jit_name(engine.jit(dust.gradients, None, sites=())) == "gradients"
