@@ -158,8 +158,7 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   about [0.7, 1.2].) Zero stays zero. X may be a batch of matrices, [..., m, n]."""
   if X.shape[-2] > X.shape[-1]: return msign(X.transpose(-1, -2), iterations).transpose(-1, -2)  # X Xᵀ: the short side
   X = X / (X.square().sum((-2, -1), keepdim=True).sqrt() + 1e-30)
-  for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X
-  return X
+  return engine.iterated(lambda X: 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X, X, iterations)
 
 @estimator("zomuon", memory=memory, forwards=lambda run: run.pop + 1,
            eps=Option("the perturbation scale ε", check=POSITIVE),
