@@ -427,7 +427,7 @@ def buffer_of(t:Tensor) -> Tensor:
 def iterated(fn:Callable[[Tensor], Tensor], x:Tensor, n:int) -> Tensor:
   """fn applied n times to x, each result realized: every iteration is then one graph, which tinygrad 0.14's schedule
   cache schedules once, where n iterations left lazy are one graph n times as large, scheduled whole at every call that
-  realizes it (ZO-Muon's Newton-Schulz, 24 iterations of 3 kernels for each shape's P and each shape's G)."""
+  realizes it (ZO-Muon's Newton-Schulz: 24 iterations of 2 kernels for each shape's P and each shape's G)."""
   for _ in range(n): x = buffer_of(fn(x))
   return x
 
@@ -526,14 +526,15 @@ def per_call(n:int, tokens:int, most:int) -> int:
 def by_shape(fn:Callable[[Tensor], Tensor], tensors:dict[str, Tensor]) -> dict[str, Tensor]:
   """fn of each tensor, the tensors of one shape stacked into one batch (fn treats the first axis as one): each of fn's
   kernels launches once a shape, not once a tensor (ZO-Muon's Newton-Schulz, 24 iterations of small matmuls per matrix:
-  14,182 kernels a step at the small preset and pop 4, 2,087 stacked). Each tensor's result is taken from the batch by its
-  index as data (tinygrad's gather: the items masked by index == i and summed, exact) from the batch's result, realized
-  (buffer_of: the graphs that read it are then the same for every call of fn). A slice would compile its offset
-  into every kernel that reads it, a kernel per tensor of a shape (ZO-Muon's Ψ_k and perturbed weights: 16 variants of
-  one kernel on the tiny model); a view of the realized batch (no kernel) is not followed by a JIT's memory plan
-  (tinygrad 0.14: the capture's estimates came out wrong). Each tensor is made by a kernel of its own before the stack:
-  the stack of lazy tensors was one kernel computing them all (ZO-Muon's G of every matrix of a shape, each a sum over
-  the K directions: minutes to compile at the small preset and pop 16)."""
+  14,182 kernels a step at the small preset and pop 4, 2,087 stacked). Three things keep the kernels shared by a shape's
+  tensors, and few:
+  - each tensor is made by a kernel of its own before the stack: a stack of lazy tensors was one kernel computing them
+    all (ZO-Muon's G of every matrix of a shape, each a sum over the K directions: minutes to compile at pop 16);
+  - the batch's result is realized (buffer_of), so the graphs that read it are the same at every call of fn;
+  - each tensor's result is taken from it by its index as data (tinygrad's gather: the items masked by index == i and
+    summed, exact). A slice would compile its offset into every kernel that reads it, a kernel per tensor (ZO-Muon's Ψ_k
+    and perturbed weights: 16 variants of one kernel on the tiny model); a view of the realized batch (no kernel) is not
+    followed by a JIT's memory plan (tinygrad 0.14: the capture's estimates came out wrong)."""
   shapes:dict[tuple, list[str]] = {}
   for n, t in tensors.items(): shapes.setdefault(t.shape, []).append(n)
   out = {}
