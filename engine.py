@@ -417,6 +417,20 @@ def freeze_compiled() -> None:
   gc.collect()
   gc.freeze()
 
+def buffer_of(t:Tensor) -> Tensor:
+  """t realized now, so that the graphs that read it hold a buffer in its place. tinygrad 0.14's schedule cache keys a graph
+  by its structure with its buffers as parameters, two uses of one buffer being one parameter: a direction's key folded
+  from scalar(k) in the graph of a forward that folds every parameter's from scalar(i) made a graph of its own for each
+  k, as k equals a different i (the zoo's forwards, scheduled again for every direction: 2-6 s each on 2 cores)."""
+  return t.contiguous().realize()
+
+def iterated(fn:Callable[[Tensor], Tensor], x:Tensor, n:int) -> Tensor:
+  """fn applied n times to x, each result realized: every iteration is then one graph, which tinygrad 0.14's schedule
+  cache schedules once, where n iterations left lazy are one graph n times as large, scheduled whole at every call that
+  realizes it (ZO-Muon's Newton-Schulz: 24 iterations of 2 kernels for each shape's P and each shape's G)."""
+  for _ in range(n): x = buffer_of(fn(x))
+  return x
+
 def squares(tensors:list[Tensor]) -> Tensor:
   """[n]: each tensor's sum of squares in float32, each sum a kernel of its own: tinygrad fused the small preset's 46 sums into
   one kernel slow to lower and compile (the check's), and on CUDA into the kernels that read their total (ConMeZO's |m|)."""
@@ -512,11 +526,19 @@ def per_call(n:int, tokens:int, most:int) -> int:
 def by_shape(fn:Callable[[Tensor], Tensor], tensors:dict[str, Tensor]) -> dict[str, Tensor]:
   """fn of each tensor, the tensors of one shape stacked into one batch (fn treats the first axis as one): each of fn's
   kernels launches once a shape, not once a tensor (ZO-Muon's Newton-Schulz, 24 iterations of small matmuls per matrix:
-  14,182 kernels a step at the small preset and pop 4, 2,087 stacked)."""
+  14,182 kernels a step at the small preset and pop 4, 2,087 stacked). Three things keep the kernels shared by a shape's
+  tensors, and few:
+  - each tensor is made by a kernel of its own before the stack: a stack of lazy tensors was one kernel computing them
+    all (ZO-Muon's G of every matrix of a shape, each a sum over the K directions: minutes to compile at pop 16);
+  - the batch's result is realized (buffer_of), so the graphs that read it are the same at every call of fn;
+  - each tensor's result is taken from it by its index as data (tinygrad's gather: the items masked by index == i and
+    summed, exact). A slice would compile its offset into every kernel that reads it, a kernel per tensor (ZO-Muon's Ψ_k
+    and perturbed weights: 16 variants of one kernel on the tiny model); a view of the realized batch (no kernel) is not
+    followed by a JIT's memory plan (tinygrad 0.14: the capture's estimates came out wrong)."""
   shapes:dict[tuple, list[str]] = {}
   for n, t in tensors.items(): shapes.setdefault(t.shape, []).append(n)
   out = {}
   for names in shapes.values():
-    y = fn(Tensor.stack(*[tensors[n] for n in names]))
-    out |= {n: y[i] for i, n in enumerate(names)}
+    y = buffer_of(fn(Tensor.stack(*[tensors[n].contiguous() for n in names])))
+    out |= {n: y[scalar(i, np.int32, y.device)] for i, n in enumerate(names)}
   return {n: out[n] for n in tensors}

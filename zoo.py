@@ -14,6 +14,7 @@ loop keeps and checkpoints (registry.py).
 """
 from __future__ import annotations
 import math
+import numpy as np
 from tinygrad import Tensor, dtypes
 from kernels.noise import fold, gaussian
 from estimators import spsa
@@ -38,9 +39,11 @@ def window(state:dict[str, Tensor], key:Tensor, step:Tensor, every:int) -> Tenso
 def losses_along(model, x:Tensor, y:Tensor, E:list[dict[str, Tensor]], eps:float,
                  signs:tuple[int, ...]=(1, -1)) -> Tensor:
   """[K, len(signs)]: L(θ + s·ε·E_k) for each direction k and sign s, each forward realized apart, each perturbed weight
-  materialized (noise fused into a matmul's operand is made again for every output row: docs/design.md principle 2)."""
+  materialized (noise fused into a matmul's operand is made again for every output row: docs/design.md principle 2).
+  s·ε is data of the kernels (engine.scalar), so the forwards of both signs share their compiled kernels."""
   def loss(e:dict[str, Tensor], s:int) -> Tensor:
-    return model.losses(x, y, params={n: (p + s * eps * e[n]).contiguous()
+    signed = engine.scalar(s, np.float32, x.device) * eps
+    return model.losses(x, y, params={n: (p + signed * e[n]).contiguous()
                                       for n, p in model.params.items()}).mean().realize()
   return Tensor.stack(*[Tensor.stack(*[loss(e, s) for s in signs]) for e in E])
 
@@ -50,10 +53,14 @@ def combined(E:list[dict[str, Tensor]], coef:Tensor) -> dict[str, Tensor]:
   """Σ_k coef_k E_k, per parameter."""
   return {n: sum(coef[k] * e[n] for k, e in enumerate(E)) for n in E[0]}
 
+def direction_keys(key:Tensor, pop:int) -> list[Tensor]:
+  """fold(key, k) for k < pop, each a buffer of its own (engine.buffer_of: each direction's forward is then one graph)."""
+  return [engine.buffer_of(fold(key, k)) for k in range(pop)]
+
 def gaussians(model, key:Tensor, pop:int) -> list[dict[str, Tensor]]:
   """z_k for k < pop: parameter i's Gaussian from fold(key, k, i), MeZO's directions, each made once."""
-  return [{n: gaussian(fold(key, k, i), p.shape).contiguous() for i, (n, p) in enumerate(model.params.items())}
-          for k in range(pop)]
+  return [{n: gaussian(fold(k, i), p.shape).contiguous() for i, (n, p) in enumerate(model.params.items())}
+          for k in direction_keys(key, pop)]
 
 # ***** HiZOO *****
 
@@ -103,12 +110,12 @@ def lozo(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:dict
   return engine.jit(lozo_step, model, pop=pop, eps=eps, rank=subspace)(x, y, key, window(state, key, step, every))
 
 def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:float, rank:int):
-  def E(k:int, i:int, shape:tuple[int, ...]) -> Tensor:
-    if len(shape) != 2: return gaussian(fold(key, k, i), shape)
+  def E(k:Tensor, i:int, shape:tuple[int, ...]) -> Tensor:  # k: direction k's key, fold(key, k)
+    if len(shape) != 2: return gaussian(fold(k, i), shape)
     r = min(rank, *shape)
-    return (gaussian(fold(key, k, i), (shape[0], r)) @
+    return (gaussian(fold(k, i), (shape[0], r)) @
             gaussian(fold(vkey, i), (shape[1], r)).T / math.sqrt(r)).contiguous()  # U_k Vᵀ/√r
-  directions = [{n: E(k, i, p.shape) for i, (n, p) in enumerate(model.params.items())} for k in range(pop)]
+  directions = [{n: E(k, i, p.shape) for i, (n, p) in enumerate(model.params.items())} for k in direction_keys(key, pop)]
   coef, loss = spsa(losses_along(model, x, y, directions, eps), eps)
   return combined(directions, coef), loss
 
@@ -151,8 +158,7 @@ def msign(X:Tensor, iterations:int=24) -> Tensor:
   about [0.7, 1.2].) Zero stays zero. X may be a batch of matrices, [..., m, n]."""
   if X.shape[-2] > X.shape[-1]: return msign(X.transpose(-1, -2), iterations).transpose(-1, -2)  # X Xᵀ: the short side
   X = X / (X.square().sum((-2, -1), keepdim=True).sqrt() + 1e-30)
-  for _ in range(iterations): X = 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X
-  return X
+  return engine.iterated(lambda X: 1.5 * X - 0.5 * (X @ X.transpose(-1, -2)) @ X, X, iterations)
 
 @estimator("zomuon", memory=memory, forwards=lambda run: run.pop + 1,
            eps=Option("the perturbation scale ε", check=POSITIVE),
@@ -172,8 +178,8 @@ def zomuon(model, x:Tensor, y:Tensor, pop:int, key:Tensor, step:Tensor, state:di
 def zomuon_step(model, x:Tensor, y:Tensor, key:Tensor, pkey:Tensor, pop:int, eps:float, rank:int):
   P = engine.by_shape(msign, {n: gaussian(fold(pkey, i), (p.shape[0], min(rank, *p.shape)))
                               for i, (n, p) in enumerate(model.params.items()) if p.ndim == 2})
-  # Ψ_k = Pᵀ z_k: Gaussian [r, n]
-  Psi = [{n: (P[n].T @ z[n]) if n in P else z[n] for n in z} for z in gaussians(model, key, pop)]
+  # Ψ_k = Pᵀ z_k: Gaussian [r, n], made once for its forward and G
+  Psi = [{n: (P[n].T @ z[n]).contiguous() if n in P else z[n] for n in z} for z in gaussians(model, key, pop)]
   losses = losses_along(model, x, y, [{n: P[n] @ psi[n] if n in P else psi[n] for n in psi} for psi in Psi], eps,
                         signs=(1,))
   clean = clean_loss(model, x, y)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tinygrad import Context, Tensor
-import estimators, optim, zo
+import estimators, optim, zo, zoo
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "DEV": "CPU"}
@@ -95,6 +95,30 @@ def test_zomuon_update_is_orthogonal():
   for name, g in step_of("zomuon", model, 4, 0, {}, eps=1e-2, subspace=r).items():
     s = np.linalg.svd(g.astype(np.float64), compute_uv=False)
     assert np.all(np.abs(s[:r] - 1) < 1e-3) and np.all(s[r:] < 1e-3), (name, s)
+
+def zomuon_reference(model, seed:int, window_key:Tensor, pop:int, eps:float, rank:int) -> dict[str, np.ndarray]:
+  """zoo.zomuon_step's math written out per parameter and run eagerly: each matrix's msign apart (no stacking by shape, no
+  JIT), from the same Gaussians."""
+  from kernels.noise import fold, gaussian, key as root_key
+  P = {n: zoo.msign(gaussian(fold(window_key, i), (p.shape[0], min(rank, *p.shape))))
+       for i, (n, p) in enumerate(model.params.items()) if p.ndim == 2}
+  Psi = [{n: P[n].T @ z[n] if n in P else z[n] for n in z} for z in zoo.gaussians(model, root_key(seed), pop)]
+  losses = [model.losses(X, Y, params={n: p + eps * (P[n] @ psi[n] if n in P else psi[n]) for n, p in model.params.items()}).item()
+            for psi in Psi]
+  clean = model.losses(X, Y).item()
+  G = {n: sum((losses[k] - clean) / (eps * pop) * psi[n] for k, psi in enumerate(Psi)) for n in Psi[0]}
+  return {n: (P[n] @ zoo.msign(g) if n in P else g).numpy() for n, g in G.items()}
+
+def test_zomuon_matches_its_reference():
+  # The step stacks same-shape matrices (engine.by_shape) and runs as a JIT, captured at step 0 and replayed at step 1 with a new
+  # window (ν = 1: a new P): both estimates are the per-matrix math's within float32 rounding. Two matrices share a shape, so a
+  # matrix given its neighbour's P or G (an index wrong in the stacking) is off by O(1).
+  from kernels.noise import fold, key as root_key
+  model, state, eps, r = Quadratic({"w": (6, 4), "b": (4,), "u": (6, 4), "v": (4, 6)}), {}, 1e-2, 2
+  for step in range(2):
+    got = step_of("zomuon", model, 3, step, state, eps=eps, every=1, subspace=r)
+    want = zomuon_reference(model, step, fold(root_key(0), step), 3, eps, r)
+    for n in want: np.testing.assert_allclose(got[n], want[n], rtol=1e-4, atol=1e-5, err_msg=f"{n} at step {step}")
 
 def descent(method:str, lr:float, flip:bool, shapes:dict, steps:int=30, **opts) -> tuple[float, float]:
   """(loss before, after) `steps` plain SGD steps from θ = 0, the estimate's sign flipped or not."""
