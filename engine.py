@@ -104,7 +104,7 @@ class LoweredOnDisk(dict):
 class ScheduledOnDisk(dict):
   """Schedules kept across processes. tinygrad 0.14 keeps a graph's schedule (its kernels' ASTs in order, the graph's
   buffers as parameters, placeholders for its intermediates) for the process only, keyed by the graph's structure, so
-  every process schedules every graph again: with the lowered kernels on disk, 3/4 of a second `zo.py` run's CPU
+  every process schedules every graph again: with the lowered kernels on disk, 2/3 of a second `zo.py` run's CPU
   seconds at the tiny preset (docs/performance.md). This is tinygrad's schedule cache, keyed as tinygrad keys it and by
   tinygrad_settings(), that also reads and writes tinygrad's cache db, where LoweredOnDisk does. The placeholders' small
   numbers never meet a new buffer's (see the buffer numbers above), in another process as in this one; a schedule that
