@@ -23,6 +23,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - JITs that free what they own until their next replay (Function.release),
 - the device's copy-in and copy-out for small arrays (tensor, read),
 - kernels lowered again in every process (LoweredOnDisk),
+- graphs scheduled again in every process (ScheduledOnDisk),
 - a JIT's kernels compiled when it is captured, so that a first step waits for one batch of compiles after another (Ahead),
 - CUDA kernels compiled by the driver at every process's module loads, and zo's for Hopper one at a time (nvrtc_for),
 - CUDA graphs destroyed after the CUDA library at exit (the atexit below),
@@ -46,6 +47,7 @@ from tinygrad.renderer.cstyle import CUDARenderer
 from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 from tinygrad.tensor import all_tensors
 from tinygrad.uop.ops import Ops, UOp, buffers
+import tinygrad.schedule
 
 # Buffer numbers. tinygrad 0.14 numbers new buffers (UOp.new_buffer) and the placeholder buffers of a cached schedule from the same
 # small integers, and UOps are hash-consed: a new buffer with a placeholder's number and size *is* that placeholder, which the schedule
@@ -73,10 +75,10 @@ def row(key:tuple) -> str: return hashlib.sha256(repr((tinygrad_settings(), *key
 def kept(table:str, *key) -> Any:
   """What zo keeps in tinygrad's cache db under `key` and tinygrad's settings; None where it has nothing or can't read it."""
   try: return diskcache_get(table, row(key))
-  except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError): return None
+  except (OSError, sqlite3.Error, pickle.UnpicklingError, AttributeError, EOFError, RecursionError): return None
 
 def keep(table:str, value:Any, *key) -> None:  # a db that can't be written keeps nothing
-  with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError): diskcache_put(table, row(key), value)
+  with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError, RecursionError): diskcache_put(table, row(key), value)
 
 class LoweredOnDisk(dict):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
@@ -98,8 +100,26 @@ class LoweredOnDisk(dict):
   def __setitem__(self, key:tuple, prg:UOp):
     dict.__setitem__(self, key, prg)
     keep("zo_lowered", prg, self.CODE, key)
+
+class ScheduledOnDisk(dict):
+  """Schedules kept across processes. tinygrad 0.14 keeps a graph's schedule (its kernels' ASTs in order, the graph's
+  buffers as parameters, placeholders for its intermediates) for the process only, keyed by the graph's structure, so
+  every process schedules every graph again: with the lowered kernels on disk, 2/3 of a second `zo.py` run's CPU
+  seconds at the tiny preset (docs/performance.md). This is tinygrad's schedule cache, keyed as tinygrad keys it and by
+  tinygrad_settings(), that also reads and writes tinygrad's cache db, where LoweredOnDisk does. The placeholders' small
+  numbers never meet a new buffer's (see the buffer numbers above), in another process as in this one; a schedule that
+  holds a buffer with memory (whose data a row would carry to another process) is kept in memory only."""
+  def get(self, key:bytes, default=None):
+    if (linear := dict.get(self, key)) is None and (linear := kept("zo_scheduled", key)) is not None:
+      dict.__setitem__(self, key, linear)
+    return default if linear is None else linear
+  def __setitem__(self, key:bytes, linear:UOp):
+    dict.__setitem__(self, key, linear)
+    if not any(u.op is Ops.BUFFER and u in buffers for u in linear.toposort()): keep("zo_scheduled", linear, key)
+
 if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)
+  tinygrad.schedule.schedule_cache = ScheduledOnDisk(tinygrad.schedule.schedule_cache)
 
 def nvrtc_for(target:Target, ptx:bool) -> NVRTCCompiler:
   """The CUDA renderer's compiler, NVRTC, in two ways that tinygrad 0.14's is not:

@@ -4,8 +4,9 @@ would, whatever the chunks a call."""
 import ast, json, os, pathlib, subprocess, sys
 import numpy as np
 import pytest
-from tinygrad import Tensor, Variable
+from tinygrad import Tensor, Variable, dtypes
 from tinygrad.engine.jit import JitError
+from tinygrad.uop.ops import Ops, UOp
 import engine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "V
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
              "ensure_allocated", "schedule_linear", "to_program_cache", "do_to_program", "diskcache_get", "diskcache_put", "capturing",
-             "to_program_key", "to_program_context", "get_worker_pool"}
+             "to_program_key", "to_program_context", "get_worker_pool", "schedule_cache", "get_kernel_graph"}
 
 def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
   """Each use of a private tinygrad name in a file: an import of a name that starts with _ or is an internal, an attribute that starts
@@ -56,22 +57,24 @@ def test_the_check_sees_private_names(tmp_path):
     assert private_uses(p, True), added
   assert private_uses(ROOT / "engine.py", False)  # engine.py does use them
 
-# ***** kernels lowered once across processes (engine.LoweredOnDisk) *****
+# ***** kernels lowered and graphs scheduled once across processes (engine.LoweredOnDisk, engine.ScheduledOnDisk) *****
 
-LOWER = """import json, engine, tinygrad.codegen as codegen, tinygrad.engine.realize as realize
+LOWER = """import json, engine, tinygrad.codegen as codegen, tinygrad.engine.realize as realize, tinygrad.schedule as schedule
 from tinygrad import Device, Tensor
 Device[Device.DEFAULT]  # a device lowers its own programs as it opens, in every process: not counted
-lowered, sent, do, send = [], [], codegen.do_to_program, realize._compile_kernel
+lowered, sent, scheduled, do, send, graph = [], [], [], codegen.do_to_program, realize._compile_kernel, schedule.get_kernel_graph
 codegen.do_to_program = lambda ast, renderer: lowered.append(ast) or do(ast, renderer)
 realize._compile_kernel = lambda task: sent.append(task) or send(task)  # what lower_and_compile finds missing (else: the worker pool)
+schedule.get_kernel_graph = lambda sink: scheduled.append(sink) or graph(sink)  # a graph that the schedule cache doesn't hold
 values = ((Tensor.arange(64).reshape(8, 8).float() / 9).exp() @ Tensor.ones(8, 8)).sum(1).tolist()
-print(json.dumps({"lowered": len(lowered), "sent": len(sent), "values": values}))"""
+print(json.dumps({"lowered": len(lowered), "sent": len(sent), "scheduled": len(scheduled), "values": values}))"""
 
 @pytest.mark.skipif(engine.tinygrad_version() is None, reason="a tinygrad without a version keeps no lowered kernels on disk")
 def test_lowered_kernels_kept_across_processes(tmp_path):
   # a second process with the same cache db finds every kernel that the first lowered (it neither lowers it nor sends it to be
-  # lowered) and computes the same numbers; without LoweredOnDisk it lowers them all again (PARALLEL=0: every kernel is lowered in
-  # the process, where it is counted). A process with another tinygrad setting (THREADS: not in tinygrad's own key) lowers again.
+  # lowered) and every graph that it scheduled, and computes the same numbers; without LoweredOnDisk it lowers them all again
+  # (PARALLEL=0: every kernel is lowered in the process, where it is counted), without ScheduledOnDisk it schedules them again. A
+  # process with another tinygrad setting (THREADS: not in tinygrad's own keys) lowers and schedules again.
   env = {k: v for k, v in os.environ.items() if k not in ("CACHELEVEL", "CCACHE", "THREADS")}
   env.update(CACHEDB=str(tmp_path / "cache.db"), PARALLEL="0")
   runs = [subprocess.run([sys.executable, "-c", LOWER], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
@@ -79,8 +82,21 @@ def test_lowered_kernels_kept_across_processes(tmp_path):
   assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
   first, second, other = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
   assert first["lowered"] == first["sent"] > 0 and second["lowered"] == second["sent"] == 0, (first, second)
-  assert other["lowered"] == first["lowered"], other
+  assert first["scheduled"] > 0 and second["scheduled"] == 0, (first, second)
+  assert other["lowered"] == first["lowered"] and other["scheduled"] == first["scheduled"], other
   assert second["values"] == first["values"] == other["values"]
+
+@pytest.mark.skipif(engine.tinygrad_version() is None, reason="a tinygrad without a version keeps no schedules on disk")
+def test_schedule_holding_a_buffer_stays_in_memory():
+  # a schedule of parameters and placeholders goes to the cache db; one that holds a buffer of this process (its data would reach
+  # another process that meets the same key) is kept in memory only
+  cache, keys = engine.ScheduledOnDisk(), [os.urandom(32) for _ in range(2)]
+  own = Tensor([1.0, 2.0]).realize().uop.base
+  free = UOp.param(0, dtypes.float, (2,), device=own.device)
+  assert own.op is Ops.BUFFER and free.op is Ops.PARAM, (own.op, free.op)
+  cache[keys[0]], cache[keys[1]] = own.sink(), free.sink()
+  assert cache.get(keys[0]) is own.sink() and engine.kept("zo_scheduled", keys[0]) is None
+  assert engine.kept("zo_scheduled", keys[1]) is free.sink()
 
 # ***** a first step's kernels compiled ahead (engine.compile_ahead) *****
 
