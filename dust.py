@@ -433,5 +433,6 @@ def weight_grad(err:Tensor, inp:Tensor, shape:tuple[int, ...]) -> Tensor:
   """(1/N) Σ_t ĝ_t x_tᵀ over the N tokens, or for an embedding a scatter-add of the errors into the rows of the token
   ids (a one-hot matmul)."""
   n, err = err.shape[0] * err.shape[1], err.reshape(-1, err.shape[-1])
-  if dtypes.is_int(inp.dtype): return outer_sum((inp.reshape(-1, 1) == Tensor.arange(shape[0])).cast(err.dtype), err) / n
+  if dtypes.is_int(inp.dtype):
+    return outer_sum((inp.reshape(-1, 1) == Tensor.arange(shape[0])).cast(err.dtype), err) / n
   return outer_sum(err, inp.reshape(-1, shape[1])) / n

@@ -80,7 +80,23 @@ def kept(table:str, *key) -> Any:
 def keep(table:str, value:Any, *key) -> None:  # a db that can't be written keeps nothing
   with contextlib.suppress(OSError, sqlite3.Error, pickle.PicklingError, RecursionError): diskcache_put(table, row(key), value)
 
-class LoweredOnDisk(dict):
+class OnDisk(dict):
+  """One of tinygrad's in-memory caches that also reads and writes tinygrad's cache db (kept, keep), in the table TABLE under
+  PREFIX and tinygrad's key. A value that `portable` refuses stays in memory only."""
+  TABLE, PREFIX = "", ()
+  def get(self, key, default=None):
+    if (v := dict.get(self, key)) is None and (v := kept(self.TABLE, *self.PREFIX, key)) is not None: dict.__setitem__(self, key, v)
+    return default if v is None else v
+  def __contains__(self, key) -> bool: return self.get(key) is not None
+  def __getitem__(self, key) -> UOp:
+    if (v := self.get(key)) is None: raise KeyError(key)
+    return v
+  def __setitem__(self, key, v:UOp):
+    dict.__setitem__(self, key, v)
+    if self.portable(v): keep(self.TABLE, v, *self.PREFIX, key)
+  def portable(self, v:UOp) -> bool: return True
+
+class LoweredOnDisk(OnDisk):
   """Lowered kernels kept across processes. tinygrad 0.14 keeps on disk only each kernel's compiled binary, so every process lowers
   every kernel again (its AST rewritten, optimized and rendered to source): about 0.19 s a kernel on a 2-core CPU, for the 264
   kernels of a Dust step at the small preset, most of a second run's first step. This is tinygrad's in-memory cache of lowered
@@ -88,20 +104,10 @@ class LoweredOnDisk(dict):
   tinygrad_settings(), that also reads and writes tinygrad's cache db (docs/performance.md has what it saves). It is off where
   tinygrad is told to compile again (CACHELEVEL=0, CCACHE=0, IGNORE_BEAM_CACHE=1) or has no version (a source checkout, whose code
   may change under one version), and a db that can't be read or written leaves it in memory, as tinygrad's own."""
-  CODE = "cubin, sm_90a"  # CUDA's programs are machine code, Hopper's for sm_90a (nvrtc_for): rows from before are not found
-  def get(self, key:tuple, default=None):
-    if (prg := dict.get(self, key)) is None:
-      if (prg := kept("zo_lowered", self.CODE, key)) is not None: dict.__setitem__(self, key, prg)  # else lowered (again)
-    return default if prg is None else prg
-  def __contains__(self, key) -> bool: return self.get(key) is not None
-  def __getitem__(self, key:tuple) -> UOp:
-    if (prg := self.get(key)) is None: raise KeyError(key)
-    return prg
-  def __setitem__(self, key:tuple, prg:UOp):
-    dict.__setitem__(self, key, prg)
-    keep("zo_lowered", prg, self.CODE, key)
+  # CUDA's programs are machine code, Hopper's for sm_90a (nvrtc_for): rows from before are not found
+  TABLE, PREFIX = "zo_lowered", ("cubin, sm_90a",)
 
-class ScheduledOnDisk(dict):
+class ScheduledOnDisk(OnDisk):
   """Schedules kept across processes. tinygrad 0.14 keeps a graph's schedule (its kernels' ASTs in order, the graph's
   buffers as parameters, placeholders for its intermediates) for the process only, keyed by the graph's structure, so
   every process schedules every graph again: with the lowered kernels on disk, 2/3 of a second `zo.py` run's CPU
@@ -109,13 +115,8 @@ class ScheduledOnDisk(dict):
   tinygrad_settings(), that also reads and writes tinygrad's cache db, where LoweredOnDisk does. The placeholders' small
   numbers never meet a new buffer's (see the buffer numbers above), in another process as in this one; a schedule that
   holds a buffer with memory (whose data a row would carry to another process) is kept in memory only."""
-  def get(self, key:bytes, default=None):
-    if (linear := dict.get(self, key)) is None and (linear := kept("zo_scheduled", key)) is not None:
-      dict.__setitem__(self, key, linear)
-    return default if linear is None else linear
-  def __setitem__(self, key:bytes, linear:UOp):
-    dict.__setitem__(self, key, linear)
-    if not any(u.op is Ops.BUFFER and u in buffers for u in linear.toposort()): keep("zo_scheduled", linear, key)
+  TABLE = "zo_scheduled"
+  def portable(self, linear:UOp) -> bool: return not any(u.op is Ops.BUFFER and u in buffers for u in linear.toposort())
 
 if tinygrad_version() is not None and getenv("CCACHE", 1) and not getenv("IGNORE_BEAM_CACHE"):
   tinygrad.codegen.to_program_cache = tinygrad.engine.realize.to_program_cache = LoweredOnDisk(tinygrad.codegen.to_program_cache)

@@ -54,7 +54,8 @@ def combined(E:list[dict[str, Tensor]], coef:Tensor) -> dict[str, Tensor]:
   return {n: sum(coef[k] * e[n] for k, e in enumerate(E)) for n in E[0]}
 
 def direction_keys(key:Tensor, pop:int) -> list[Tensor]:
-  """fold(key, k) for k < pop, each a buffer of its own (engine.buffer_of: each direction's forward is then one graph)."""
+  """fold(key, k) for k < pop, each a buffer of its own (engine.buffer_of: each direction's forward is then one
+  graph)."""
   return [engine.buffer_of(fold(key, k)) for k in range(pop)]
 
 def gaussians(model, key:Tensor, pop:int) -> list[dict[str, Tensor]]:
@@ -115,7 +116,8 @@ def lozo_step(model, x:Tensor, y:Tensor, key:Tensor, vkey:Tensor, pop:int, eps:f
     r = min(rank, *shape)
     return (gaussian(fold(k, i), (shape[0], r)) @
             gaussian(fold(vkey, i), (shape[1], r)).T / math.sqrt(r)).contiguous()  # U_k Vᵀ/√r
-  directions = [{n: E(k, i, p.shape) for i, (n, p) in enumerate(model.params.items())} for k in direction_keys(key, pop)]
+  directions = [{n: E(k, i, p.shape) for i, (n, p) in enumerate(model.params.items())}
+                for k in direction_keys(key, pop)]
   coef, loss = spsa(losses_along(model, x, y, directions, eps), eps)
   return combined(directions, coef), loss
 

@@ -278,7 +278,7 @@ def matmul(x:Tensor, w:Tensor, act:str|None=None, dact:tuple[str, Tensor]|None=N
 def weight_grad(dy:Tensor, x:Tensor, act:str|None) -> Tensor:
   """dy [M, N]^T @ act(x) [M, K] -> float32 [N, K] (GRAD_W), the tokens split into S parts whose sums are added after."""
   (M, N), K = dy.shape, x.shape[-1]
-  if M % 256 or N % 128 or K % 128: return dy.T.float() @ activate(x, act).float()  # shapes the tiles don't divide
+  if not grad_w_tiles(M, N, K): return dy.T.float() @ activate(x, act).float()
   S = 1
   while (N // 128) * (K // 128) * S < SPLIT and M % (2 * S * 256) == 0: S *= 2  # each part at least 256 tokens
   name = f"grad_w_{M}_{N}_{K}_{S}" + (f"_{act}" if act else "")
@@ -305,8 +305,8 @@ def mix_rows(c:Tensor, x:Tensor) -> Tensor:
   # c in half as it is (a credit is at most 1): scaled, the scale's reduction over its lazy values was recomputed in every kernel
   return outer_sum(c.T.cast(dtypes.half).contiguous(), xt).reshape(T, -1, H).permute(1, 0, 2).reshape(*lead, T, H).contiguous()
 
-def tensor_cores(a:Tensor, b:Tensor) -> bool:  # outer_sum's kernel: the CUDA kernels, and rows, N and K that GRAD_W's tiles divide
-  return cuda_kernels(a.device) and a.shape[0] % 256 == 0 and a.shape[1] % 128 == 0 and b.shape[1] % 128 == 0
+def grad_w_tiles(M:int, N:int, K:int) -> bool: return M % 256 == 0 and N % 128 == 0 and K % 128 == 0  # GRAD_W's tiles divide them
+def tensor_cores(a:Tensor, b:Tensor) -> bool: return cuda_kernels(a.device) and grad_w_tiles(*a.shape, b.shape[1])  # outer_sum's kernel
 
 def halved(t:Tensor) -> tuple[Tensor, Tensor|float]:
   """t in half, and the scale it was multiplied by: a half tensor as it is; a float32 one scaled so that its largest magnitude is 2^14
