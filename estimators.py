@@ -219,12 +219,17 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   seed, same estimate."""
   g, _ = run(model, x, y, method, pop, seed, **values)
   # copies of the JITs' own buffers, which their next call writes again
-  if isinstance(g, Flat): g = Flat(g.buf.clone().realize())
-  if isinstance(g, Compact): g = Compact(g.key, g.coef.clone().realize(), g.rank)
-  if isinstance(g, (Compact, Flat)): return g.dense(model.params)
+  if isinstance(g, Flat): return Flat(g.buf.clone().realize()).dense(model.params)
+  if isinstance(g, Compact):  # made dense by a JIT, as the optimizer does: its noise graph built and scheduled once a shape
+    out = {n: engine.empty(*p.shape, device=p.device) for n, p in model.params.items()}
+    engine.jit(dense_into, rank=g.rank)(g.key, g.coef, out)
+    return out
   copies = {n: t.clone() for n, t in g.items()}
   Tensor.realize(*copies.values())
   return copies
+
+def dense_into(key:Tensor, coef:Tensor, out:dict[str, Tensor], rank:int):
+  Tensor.realize(*[o.assign(d) for o, d in zip(out.values(), Compact(key, coef, rank).dense(out).values())])
 
 # ***** what the loop passes to an estimator at a step *****
 

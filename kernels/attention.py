@@ -19,8 +19,10 @@ import math
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 from kernels.flash import delta, fits, flash
+import engine
 
 BLOCK = 256  # queries per block
+SCORES = 1 << 28  # bytes of float32 scores that Dust's q and k draws may hold at once on tinygrad's kernels (moved)
 
 def weights(q:Tensor, k:Tensor, s0:int, t0:int, window:int, dtype:DType) -> Tensor:
   """w[s, t] = exp(q_s.k_t / sqrt(hd)) for the queries s0 + i and keys t0 + j that the mask lets through, else 0, in `dtype`.
@@ -79,13 +81,18 @@ def prepare(qh:Tensor, kh:Tensor, u:Tensor, window:int, dtype:DType) -> dict[str
 def moved(prep:dict[str, Tensor], qh:Tensor, kh:Tensor, u:Tensor, new:Tensor, moving:str, window:int) -> Tensor:
   """o' - o in float32 for n draws at once, when q^ (moving "q") or k^ ("k") becomes `new` [n B, T, H, hd] (float32). On NVIDIA GPUs
   one kernel for all draws (flash.delta) makes it from the change of q^ or k^ itself, taken in float32 (both are ~1, the change ~σ)
-  and then rounded to half. Elsewhere the whole attention again, in float32 (half measured slower), a draw at a time, each realized,
-  so that the scheduler can't order all draws' scores first: all n at once held n sets of T x T scores (at pop 1024 on the dust
-  preset, 8.6 GB, the peak of the whole update), where a JIT's memory plan now reuses one draw's for the next."""
+  and then rounded to half. Elsewhere the whole attention again, in float32 (half measured slower), in groups of draws whose scores
+  fit SCORES, each group realized, so that the scheduler can't order all draws' scores first: all n at once held n sets of T x T
+  scores (at pop 1024 on the dust preset, 8.6 GB, the peak of the whole update), where a JIT's memory plan reuses one group's for
+  the next. Where they are small, as on the CPU's models, one group is one graph for tinygrad to schedule instead of n."""
   n, old = new.shape[0] // u.shape[0], qh if moving == "q" else kh
   if "u16" in prep: return delta(prep["qh16"], prep["kh16"], prep["u16"], (new - old.repeat(n, 1, 1, 1)).half(), moving, window)
-  def rerun(d:Tensor) -> Tensor: return attention(d if moving == "q" else qh, d if moving == "k" else kh, u, window) - prep["o"]
-  return Tensor.cat(*[rerun(d).realize() for d in new.chunk(n)])
+  B, T, H, _ = u.shape
+  m = engine.per_call(n, B * H * T * T * 4, SCORES)  # draws a group: the most that divide n and whose float32 scores fit
+  def rerun(d:Tensor) -> Tensor:
+    def each(t:Tensor) -> Tensor: return t.repeat(m, 1, 1, 1)
+    return attention(d if moving == "q" else each(qh), d if moving == "k" else each(kh), each(u), window) - each(prep["o"])
+  return Tensor.cat(*[rerun(d).realize() for d in new.chunk(n // m)])
 
 def mixed(prep:dict[str, Tensor], du:Tensor, window:int) -> Tensor:
   """p du in float32 [n B, T, H, hd]: the change of the output when the values move by du, exact by linearity. On NVIDIA GPUs the flash

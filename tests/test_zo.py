@@ -73,8 +73,9 @@ def looped():
   true = {n: g.numpy().astype(np.float64) for n, g in estimators.estimate(model, x, y, "backprop", 1, 0).items()}
   return model, x, y, true
 
-def flat(g:dict, names) -> np.ndarray: return np.concatenate([np.asarray(g[n].numpy() if isinstance(g[n], Tensor) else g[n], np.float64).ravel()
-                                                              for n in names])
+def flat(g:dict, names) -> np.ndarray:
+  if ts := [g[n] for n in names if isinstance(g[n], Tensor)]: Tensor.realize(*ts)  # one schedule for all, not one a parameter
+  return np.concatenate([np.asarray(g[n].numpy() if isinstance(g[n], Tensor) else g[n], np.float64).ravel() for n in names])
 
 # ***** 1. no autograd in the ZO paths *****
 
