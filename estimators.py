@@ -220,7 +220,7 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   g, _ = run(model, x, y, method, pop, seed, **values)
   # copies of the JITs' own buffers, which their next call writes again
   if isinstance(g, Flat): return Flat(g.buf.clone().realize()).dense(model.params)
-  if isinstance(g, Compact):  # made dense by a JIT, as the optimizer does: its noise graph built and scheduled once a shape
+  if isinstance(g, Compact):  # made dense by a JIT, as the optimizer does: its noise graph built and scheduled once
     out = {n: engine.empty(*p.shape, device=p.device) for n, p in model.params.items()}
     engine.jit(dense_into, rank=g.rank)(g.key, g.coef, out)
     return out
