@@ -229,6 +229,8 @@ def estimate(model, x:Tensor, y:Tensor, method:str, pop:int, seed:int, **values)
   return copies
 
 def dense_into(key:Tensor, coef:Tensor, out:dict[str, Tensor], rank:int):
+  """Σ_k coef_k E_k written into `out`, a buffer for each parameter in model.params' order: Compact.dense reads from its
+  dict only the names and shapes, which are the parameters'."""
   Tensor.realize(*[o.assign(d) for o, d in zip(out.values(), Compact(key, coef, rank).dense(out).values())])
 
 # ***** what the loop passes to an estimator at a step *****
