@@ -364,9 +364,9 @@ def head_chunk(model, keys:Tensor, clean:dict[str, Tensor], y:Tensor, K:Tensor, 
   B, T, S, W = clean["z"].shape
   slab_sum = clean["slab_sum"]
   def slab(m:int) -> Tensor:
-    # materialized: three reductions read it
+    # a materialized, as two kernels read it; c2 left lazy, as its two sums over the slab are one kernel
     a = NOISES[noise](keys[:, m], (per_chunk, B, T, W)).reshape(-1, B, T, W).contiguous()
-    c2 = softcap(clean["z"][:, :, m].float() + sigma * a, model.cfg.softcap).contiguous()
+    c2 = softcap(clean["z"][:, :, m].float() + sigma * a, model.cfg.softcap)
     col = (y - m * W).unsqueeze(-1) == Tensor.arange(W)  # the target's column, where it is in this slab
     target = (y // W == m).where(col.where(c2, 0).sum(-1), clean["c_y"])
     reward = clean["loss0"] - ((slab_sum.sum(-1) - slab_sum[:, :, m] + exp_sum(c2)).log() - target)
