@@ -26,6 +26,7 @@ Each workaround below says which tinygrad 0.14 behaviour it works around and wha
 - graphs scheduled again in every process (ScheduledOnDisk),
 - a JIT's kernels compiled when it is captured, so that a first step waits for one batch of compiles after another (Ahead),
 - CUDA kernels compiled by the driver at every process's module loads, and zo's for Hopper one at a time (nvrtc_for),
+- a view's place in its buffer found by a graph rewrite at every use (contiguous_view),
 - CUDA graphs destroyed after the CUDA library at exit (the atexit below),
 - CPython's full collections walking every object that compiling a step left (freeze_compiled).
 """
@@ -143,6 +144,16 @@ def cuda_renderer_reduce(self:CUDARenderer) -> tuple:
   # would build it with tinygrad's compiler again: the renderer goes with its compiler
   return type(self), (self.target,), {"compiler": self.compiler}
 CUDARenderer.__init__, CUDARenderer.__reduce__ = cuda_renderer_init, cuda_renderer_reduce
+
+# Views. tinygrad 0.14 finds where a view lies in its buffer (UOp.contiguous_view) by a graph rewrite, again each time it derives the
+# view's Buffer, and Scratch has it derive every JIT's views again whenever an arena moves: at each capture of a first step, and then in
+# every CUDA graph that the first replays rebuild (1.4 of the 1.8 s of the small preset's first replay of a Dust step, NULL device). A
+# UOp never changes, so its answer is kept for as long as the UOp lives.
+_contiguous_view, views = UOp.contiguous_view, weakref.WeakKeyDictionary()
+def contiguous_view(self:UOp) -> tuple[UOp, int]|None:
+  if self not in views: views[self] = _contiguous_view(self)
+  return views[self]
+UOp.contiguous_view = contiguous_view
 
 # tinygrad 0.14's CUDA graphs call the CUDA library from __del__, which at the interpreter's exit runs after that library's module is
 # gone: every GPU run ended with "Exception ignored in CUDAGraph.__del__ ... 'NoneType' object has no attribute 'cuGraphDestroy'" on

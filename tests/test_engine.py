@@ -20,7 +20,7 @@ PUBLIC = {"Tensor", "TinyJit", "nn", "dtypes", "Device", "Context", "getenv", "V
 # tinygrad's internals that engine.py works around: no file but engine.py may name them
 INTERNALS = {"all_tensors", "buffers", "graph_cache", "CapturedJit", "unique_num", "allocator", "captured", "Buffer", "MultiBuffer",
              "ensure_allocated", "schedule_linear", "to_program_cache", "do_to_program", "diskcache_get", "diskcache_put", "capturing",
-             "to_program_key", "to_program_context", "get_worker_pool", "schedule_cache", "get_kernel_graph"}
+             "to_program_key", "to_program_context", "get_worker_pool", "schedule_cache", "get_kernel_graph", "contiguous_view"}
 
 def private_uses(path:pathlib.Path, algorithm:bool) -> list[str]:
   """Each use of a private tinygrad name in a file: an import of a name that starts with _ or is an internal, an attribute that starts
@@ -166,6 +166,24 @@ def test_jits_share_one_arena():
   base = engine.SCRATCH.base[fu.device]
   assert fu.buffer.base is base and gu.buffer.base is base
   assert mine[0][0][1] == mine[1][0][1] == 0 and base.nbytes >= max(fu.nbytes(), gu.nbytes())  # one memory, not one after the other
+
+def test_views_kept(monkeypatch):
+  """A view's place in its buffer is tinygrad's answer, found by one graph rewrite for each view (engine.contiguous_view: tinygrad
+  rewrites again at every use, and Scratch has every JIT's views derived again whenever an arena moves), and kept no longer than the
+  view's UOp."""
+  import gc
+  import tinygrad.uop.ops as ops
+  t = Tensor.empty(64, 16).realize()
+  v = t[8:16].uop
+  assert v.contiguous_view() == engine._contiguous_view(v) == (t.uop.base, 128)
+  rewrites, rewrite = [], ops.graph_rewrite
+  monkeypatch.setattr(ops, "graph_rewrite", lambda *a, **kw: rewrites.append(1) or rewrite(*a, **kw))
+  assert v.contiguous_view()[1] == 128 and not rewrites
+  assert t[16:24].uop.contiguous_view()[1] == 256 and rewrites  # a new view is rewritten
+  n = len(engine.views)
+  del v
+  gc.collect()
+  assert len(engine.views) < n
 
 def _shifted(x:Tensor, y:Tensor, s:Tensor, at) -> Tensor: return ((x - y) * s + Tensor(at).float()).contiguous()
 
