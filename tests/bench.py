@@ -12,6 +12,8 @@
   DEV=CUDA python tests/bench.py --presets dust --rows dust:1024 --devices 1 2    a Dust update on one GPU and spread over two
   DEV=CUDA python tests/bench.py --presets small --rows conmezo:16 --profile 12     under the clean forward and each row: the 12 kernels
                                                      of most time, then every kernel grouped by op with its share, rates and roofline
+  DEV=MOCK+NULL:CUDA:sm_90 python tests/bench.py --presets small --rows dust:1024 --census    no GPU needed: each row's kernels as a GPU
+                                                     would run them (the NULL device compiles, runs nothing), launches, FLOPs, bytes
 
 A row is a step of one method (the estimate and its SGD update, as the training loop runs them), in a process of its own, so that no row
 inherits another's compiled kernels or memory. Its columns: seconds a step (the mean of the timed steps, at least 0.2 s of them, after
@@ -86,6 +88,7 @@ def forward_row(model, x:Tensor, y:Tensor, n:int) -> dict:
   row = {"clean_s": timed(lambda: clean(x, y), 10 * n), "jittered_s": timed(lambda: gauss(x, y, k), 10 * n),
          "rademacher_s": timed(lambda: signs(x, y, k), 10 * n), "peak": peak}
   if int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(lambda: clean(x, y))
+  if os.environ.get("BENCH_CENSUS"): row["census"] = census(lambda: clean(x, y))
   return row
 
 DIRECTIONS, WINDOW = 8, 64  # the noise row: an estimate of 8 directions, and a seed replay of 64 steps of them
@@ -151,6 +154,42 @@ def kernel_times(fn) -> list[tuple[str, float, int, float, float, str]]:
       t, r = float(m[2]) * UNIT[m[3]], rows[m[1]]
       r[0] += t; r[1] += 1; r[2] += float(m[4]) * RATE[m[5]] * t; r[3] += float(m[6]) * RATE[m[7]] * t; r[4][jit] += 1
   return sorted(((k, *v[:4], ", ".join(j for j, _ in v[4].most_common(3))) for k, v in rows.items()), key=lambda r: -r[1])
+
+def census(fn) -> list[tuple[str, int, float, float, str]]:
+  """Every kernel of a call of fn by name, most bytes first: (name, launches, FLOPs, bytes, the JITs that ran it), from tinygrad's own
+  estimate of each kernel's work (zo's CUDA kernels declare theirs). Nothing is timed, so it holds on the NULL device, which compiles
+  for a GPU it hasn't got (`DEV=MOCK+NULL:CUDA:sm_90`): the step's bytes, where no GPU is to be had. Under JIT=2 (census()), a JIT's
+  kernels are launched one by one, each counted."""
+  import tinygrad.engine.realize as realize
+  from tinygrad.uop.ops import Ops, sym_infer
+  rows, jit = collections.defaultdict(lambda: [0, 0.0, 0.0, collections.Counter()]), ["-"]
+  track, call = realize.track_stats, engine.Function.__call__
+  def counted(ctx, c, *a):
+    if c.src[0].op is Ops.PROGRAM:
+      e, r = realize.estimate_uop(c), rows[re.sub(r"\x1b\[[0-9;]*m", "", c.src[0].arg.name)]
+      r[0] += 1; r[1] += float(sym_infer(e.ops, ctx.var_vals)); r[2] += float(sym_infer(e.mem, ctx.var_vals)); r[3][jit[0]] += 1
+    return track(ctx, c, *a)
+  def named(self, *inputs):
+    jit[0] = jit_name(self)
+    return call(self, *inputs)
+  realize.track_stats, engine.Function.__call__ = counted, named
+  try:
+    fn()
+    sync()
+  finally: realize.track_stats, engine.Function.__call__ = track, call
+  return sorted(((k, n, f, b, ", ".join(j for j, _ in js.most_common(3))) for k, (n, f, b, js) in rows.items()), key=lambda r: -r[3])
+
+def print_census(kernels:list, what:str):
+  """--census's tables under a row: every kernel grouped by op, then by the JIT that ran it most, with launches, GFLOP and GB."""
+  print(f"  {what}: {sum(k[1] for k in kernels)} launches, {sum(k[2] for k in kernels) / 1e9:.1f} GFLOP, "
+        f"{sum(k[3] for k in kernels) / 1e9:.2f} GB (tinygrad's estimates)", flush=True)
+  for label, key_of in (("op", lambda k: op_of(k[0])), ("JIT", lambda k: k[4].split(", ")[0])):
+    groups = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k in kernels:
+      g = groups[key_of(k)]
+      g[0] += k[1]; g[1] += k[2]; g[2] += k[3]
+    print(f"  {'by ' + label:<32} {'launches':>8} {'GFLOP':>9} {'GB':>8}", flush=True)
+    for name, (n, f, b) in sorted(groups.items(), key=lambda g: -g[1][2]): print(f"  {name:<32} {n:8d} {f / 1e9:9.1f} {b / 1e9:8.2f}", flush=True)
 
 def jit_name(f:engine.Function) -> str:
   """A JIT's function by name, with the function that a chunk JIT sums or stacks (through devices.keyed, the draws it keys) and the kind
@@ -231,6 +270,7 @@ def step_row(model, x:Tensor, y:Tensor, method:str, pop:int, rank:int, n:int, fi
     with ByKind() as by_kind: row["split_s"] = timed(run, 1)
     row["split"] = by_kind.times
   if int(os.environ.get("BENCH_PROFILE", 0)): row["kernels"] = kernel_times(run)
+  if os.environ.get("BENCH_CENSUS"): row["census"] = census(run)
   return row
 
 def one_row(preset:str, spec:str, quick:bool, devices:int) -> dict:
@@ -293,6 +333,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
         f"{f['jittered_s'] * 1e3:.3f} ms, ratio {clean / f['jittered_s']:.3f} | Rademacher jitter {f['rademacher_s'] * 1e3:.3f} ms, ratio "
         f"{clean / f['rademacher_s']:.3f}", flush=True)
   if "kernels" in f: print_profile(f["kernels"], args.profile, "the clean forward")
+  if "census" in f: print_census(f["census"], "the clean forward")
   if not args.quick:  # on tinygrad's own kernels (kernels/cuda.py's off), and in PyTorch
     ours = run_row(preset, "forward", args.quick, kernels=False)
     print(f"tinygrad's own kernels: clean {ours['clean_s'] * 1e3:.3f} ms, ratio {ours['clean_s'] / ours['jittered_s']:.3f} | "
@@ -315,6 +356,7 @@ def table(preset:str, rows:list[str], args) -> list[dict]:
             flush=True)
       if name == "backprop" and not args.quick: print("  " + torch_backprop(model, x, y, clean), flush=True)
       if "kernels" in row: print_profile(row["kernels"], args.profile, f"a step of {label} {pop}")
+      if "census" in row: print_census(row["census"], f"a step of {label} {pop}")
       if "split" in row:
         print(f"  by chunk kind, in a step of {row['split_s']:.3f} s with the syncs: " +
               ", ".join(f"{k} {v:.3f} s" for k, v in row["split"].items()), flush=True)
@@ -368,10 +410,13 @@ def main():
   p.add_argument("--devices", type=int, nargs="+", default=[1], help="time each dust row on each of these device counts")
   p.add_argument("--profile", type=int, default=0, metavar="N", help="under the clean forward and each row, the N kernels of most "
                  "time, then every kernel grouped by op (the rows run without CUDA graphs, so their times are not the table's)")
+  p.add_argument("--census", action="store_true", help="under the clean forward and each row, every kernel's launches, FLOPs and bytes "
+                 "(tinygrad's estimates) by op and by JIT: with DEV=MOCK+NULL:CUDA:sm_90, a GPU's kernels counted without one")
   p.add_argument("--json", default=None, help="also write the rows to this file (plot.py --bench draws from it)")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: one row, in this process
   args = p.parse_args()
   if args.profile: os.environ |= profiled(args.profile)  # the rows' processes inherit it
+  if args.census: os.environ |= {"BENCH_CENSUS": "1", "JIT": "2"}
   if args.row: return print("ROW " + json.dumps(one_row(args.presets[0], args.row, args.quick, args.devices[0])), flush=True)
   if args.loops: return looped_table(args.loops, args.quick, 64 if args.quick else 1024)
   if args.default: return print(json.dumps(default_run(args)))

@@ -69,6 +69,32 @@ def test_kernel_times():
   assert (round(share, 12), t, n) == (0.4, 4e-3, 8) and abs(flops - 5e14) < 1 and abs(nbytes - 5e11) < 1 and abs(frac - 0.5) < 1e-12, ops
   assert abs(rows["elementwise (tinygrad)"][5] - 1.0) < 1e-12 and abs(rows["attention (flash)"][5] - 0.1) < 1e-12, ops
 
+CENSUS = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+from bench import census
+from tinygrad import Tensor
+import engine
+def twice(t:Tensor) -> Tensor: return (t.sum() + t).contiguous() * 2
+a, step = Tensor(np.arange(1000, dtype=np.float32)).realize(), engine.jit(twice)
+for _ in range(3): step(a)  # run, capture, replay
+print(json.dumps(census(lambda: step(a))))
+print(json.dumps(census(lambda: [step(a) for _ in range(3)])))
+"""
+
+def test_census():
+  # --census's count, launched one by one (JIT=2) on the NULL device, where nothing runs: t.sum() + t reads 1,000 floats and writes 1,000
+  # (4,000 bytes each way), and so does the doubling after it, each traced to the JIT's function; three calls count three times
+  r = subprocess.run([sys.executable, "-c", CENSUS], cwd=ROOT, env={**os.environ, "DEV": "NULL", "JIT": "2"}, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  once, thrice = (json.loads(line) for line in r.stdout.splitlines()[-2:])
+  kinds = {k[:2]: (n, nbytes, where) for k, n, _, nbytes, where in once}
+  assert set(kinds) == {"r_", "E_"} and all(n == 1 and where == "twice" for n, _, where in kinds.values()), once
+  assert all(8000 <= nbytes < 8100 for _, nbytes, _ in kinds.values()), once
+  assert [(k, 3 * n, 3 * f, 3 * b) for k, n, f, b, _ in once] == [(k, n, f, b) for k, n, f, b, _ in thrice], (once, thrice)
+
 def test_jit_name():
   # a chunk JIT is named by the function it sums and the kind of local draws it runs, as --profile's kernels are traced
   sys.path.insert(0, str(ROOT / "tests"))
