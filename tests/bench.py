@@ -27,6 +27,7 @@ generator alone against a MeZO/ES update made dense from its keys and against th
 """
 import argparse, collections, contextlib, gc, importlib.util, io, json, os, re, shutil, subprocess, sys, tempfile, time
 from dataclasses import asdict
+from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit
@@ -132,23 +133,29 @@ def forwards(model, method:str, pop:int) -> float:
 RATE = {"G": 1e9, "T": 1e12}
 UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of tinygrad's kernel names and DEBUG lines
+
+@contextlib.contextmanager
+def each_jit(seen:Callable[[str], Any]):
+  """Each of zo's JITs (engine.jit) calls seen(its name, `jit_name`) before it runs, so that the kernels that run next are traced to it."""
+  call = engine.Function.__call__
+  def named(self, *inputs):
+    seen(jit_name(self))
+    return call(self, *inputs)
+  engine.Function.__call__ = named
+  try: yield
+  finally: engine.Function.__call__ = call
+
 def kernel_times(fn) -> list[tuple[str, float, int, float, float, str]]:
   """Every kernel of a call of fn, summed by name, most time first: (name, seconds, launches, FLOPs, bytes, the JITs that ran it). tinygrad
   prints each kernel's time and its rates (of the FLOPs and bytes it estimates for the kernel; zo's CUDA kernels declare theirs) at
   DEBUG=2, in a JIT's replay too when it runs its kernels one by one, without a graph (JIT=2: profiled()); each of zo's JITs (engine.jit)
   prints its function's name first (`jit_name`), so a kernel is traced to the code that ran it."""
-  out, rows = io.StringIO(), collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0, collections.Counter()])
-  call = engine.Function.__call__
-  def named(self, *inputs):
-    print(f"@@ {jit_name(self)}")
-    return call(self, *inputs)
-  engine.Function.__call__, jit = named, "-"
-  try:
-    with contextlib.redirect_stdout(out), Context(DEBUG=2):
-      fn()
-      sync()  # a kernel's line is printed when it has run
-  finally: engine.Function.__call__ = call
-  for line in re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines():
+  out, rows, jit = io.StringIO(), collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0, collections.Counter()]), "-"
+  with contextlib.redirect_stdout(out), Context(DEBUG=2), each_jit(lambda name: print(f"@@ {name}")):
+    fn()
+    sync()  # a kernel's line is printed when it has run
+  for line in ANSI.sub("", out.getvalue()).splitlines():
     if line.startswith("@@ "): jit = line[3:]
     elif m := re.search(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms|s)\s*/.*?\(\s*([\d.]+) ([GT])FLOPS\s+([\d.]+)\|\S+\s+([GT])B/s", line):
       t, r = float(m[2]) * UNIT[m[3]], rows[m[1]]
@@ -158,25 +165,23 @@ def kernel_times(fn) -> list[tuple[str, float, int, float, float, str]]:
 def census(fn) -> list[tuple[str, int, float, float, str]]:
   """Every kernel of a call of fn by name, most bytes first: (name, launches, FLOPs, bytes, the JITs that ran it), from tinygrad's own
   estimate of each kernel's work (zo's CUDA kernels declare theirs). Nothing is timed, so it holds on the NULL device, which compiles
-  for a GPU it hasn't got (`DEV=MOCK+NULL:CUDA:sm_90`): the step's bytes, where no GPU is to be had. Under JIT=2 (census()), a JIT's
-  kernels are launched one by one, each counted."""
+  for a GPU it hasn't got (`DEV=MOCK+NULL:CUDA:sm_90`): the step's bytes, where no GPU is to be had. Under JIT=2 (which --census
+  sets), a JIT's kernels are launched one by one, each counted."""
   import tinygrad.engine.realize as realize
   from tinygrad.uop.ops import Ops, sym_infer
   rows, jit = collections.defaultdict(lambda: [0, 0.0, 0.0, collections.Counter()]), ["-"]
-  track, call = realize.track_stats, engine.Function.__call__
+  track = realize.track_stats
   def counted(ctx, c, *a):
     if c.src[0].op is Ops.PROGRAM:
-      e, r = realize.estimate_uop(c), rows[re.sub(r"\x1b\[[0-9;]*m", "", c.src[0].arg.name)]
+      e, r = realize.estimate_uop(c), rows[ANSI.sub("", c.src[0].arg.name)]
       r[0] += 1; r[1] += float(sym_infer(e.ops, ctx.var_vals)); r[2] += float(sym_infer(e.mem, ctx.var_vals)); r[3][jit[0]] += 1
     return track(ctx, c, *a)
-  def named(self, *inputs):
-    jit[0] = jit_name(self)
-    return call(self, *inputs)
-  realize.track_stats, engine.Function.__call__ = counted, named
+  realize.track_stats = counted
   try:
-    fn()
-    sync()
-  finally: realize.track_stats, engine.Function.__call__ = track, call
+    with each_jit(lambda name: jit.__setitem__(0, name)):
+      fn()
+      sync()
+  finally: realize.track_stats = track
   return sorted(((k, n, f, b, ", ".join(j for j, _ in js.most_common(3))) for k, (n, f, b, js) in rows.items()), key=lambda r: -r[3])
 
 def print_census(kernels:list, what:str):

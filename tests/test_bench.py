@@ -29,16 +29,20 @@ def test_bench_quick():
   row = re.search(r"^ +2 +(.*)$", out, re.M).group(1)  # the looped table's row at 2 loops: time and memory for mezo, es, dust, backprop
   assert len(re.findall(r"[\d.]+ s +[\d.]+ MiB", row)) == 4, row
 
-KERNELS = """
+# a JIT of two kernels, replayed as a row's step is: what --profile and --census are tried on, in a process of their own
+TWICE = """
 import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
-from bench import by_op, kernel_times
+from bench import by_op, census, kernel_times
 from tinygrad import Tensor
 import engine
 def twice(t:Tensor) -> Tensor: return (t.sum() + t).contiguous() * 2
 a, step = Tensor(np.arange(1000, dtype=np.float32)).realize(), engine.jit(twice)
 for _ in range(3): step(a)  # run, capture, replay
+"""
+
+KERNELS = TWICE + """
 print(json.dumps(kernel_times(lambda: step(a))))
 # made-up kernels grouped by op at peaks of 1 PFLOP/s and 1 TB/s: (name, seconds, launches, FLOPs, bytes)
 made_up = [("wgmma_131072_2048_512", 2e-3, 4, 1e12, 1e9), ("wgmma_131072_2048_512_x2", 2e-3, 4, 1e12, 1e9), ("E_4096_32_4", 1e-3, 10, 0, 1e9),
@@ -69,16 +73,7 @@ def test_kernel_times():
   assert (round(share, 12), t, n) == (0.4, 4e-3, 8) and abs(flops - 5e14) < 1 and abs(nbytes - 5e11) < 1 and abs(frac - 0.5) < 1e-12, ops
   assert abs(rows["elementwise (tinygrad)"][5] - 1.0) < 1e-12 and abs(rows["attention (flash)"][5] - 0.1) < 1e-12, ops
 
-CENSUS = """
-import json, sys
-import numpy as np
-sys.path.insert(0, "tests")
-from bench import census
-from tinygrad import Tensor
-import engine
-def twice(t:Tensor) -> Tensor: return (t.sum() + t).contiguous() * 2
-a, step = Tensor(np.arange(1000, dtype=np.float32)).realize(), engine.jit(twice)
-for _ in range(3): step(a)  # run, capture, replay
+CENSUS = TWICE + """
 print(json.dumps(census(lambda: step(a))))
 print(json.dumps(census(lambda: [step(a) for _ in range(3)])))
 """
